@@ -1,0 +1,40 @@
+# The two commands users need: `make demo` and `make test`. Each sets up what it needs:
+# tools/venv.sh creates (or reuses) the pinned virtualenv outside the clone, and the test
+# target builds (or reuses) the Kubernetes control-plane binaries, also cached by version.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+ARGS ?=
+
+.PHONY: demo test lint unit e2e bench bench-plan bench-transfer chart-crds k8s-bins
+
+demo:
+	@V=$$(bash tools/venv.sh); $$V/bin/weightsync demo $(ARGS)
+
+test: lint
+	@start=$$(date +%s); V=$$(bash tools/venv.sh); bash tests/k8s/ensure_binaries.sh; \
+	$$V/bin/python -m pytest -q -ra $(ARGS); \
+	echo "make test: suite wall time $$(( $$(date +%s) - start ))s"
+
+lint:
+	@V=$$(bash tools/venv.sh); $$V/bin/ruff check . && $$V/bin/ruff format --check . && $$V/bin/lint-imports
+
+unit:
+	@V=$$(bash tools/venv.sh); $$V/bin/python -m pytest -q -m "not e2e" $(ARGS)
+
+e2e: k8s-bins
+	@V=$$(bash tools/venv.sh); $$V/bin/python -m pytest -q -m e2e $(ARGS)
+
+k8s-bins:
+	@bash tests/k8s/ensure_binaries.sh
+
+bench: bench-plan bench-transfer
+
+bench-plan:
+	@V=$$(bash tools/venv.sh); $$V/bin/python bench/plan_bench.py $(ARGS)
+
+bench-transfer:
+	@V=$$(bash tools/venv.sh); $$V/bin/python bench/transfer_bench.py $(ARGS)
+
+# The chart ships the CRD in its crds/ folder; the top-level crds/ is the source of truth.
+chart-crds:
+	@cp crds/*.yaml charts/weightsync-operator/crds/

@@ -1,0 +1,1 @@
+"""WeightSync runtime: layouts, planner, transfer engine, Ray participants and the coordinator."""

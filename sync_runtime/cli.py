@@ -1,0 +1,2 @@
+def main() -> int:  # replaced by the real CLI
+    return 0

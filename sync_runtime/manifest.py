@@ -1,0 +1,44 @@
+"""Canonical model description: the tensors of the published Hugging Face checkpoint (DESIGN 3)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """One canonical (HF-named) tensor: name, full shape, dtype name as in torch (e.g. "bfloat16")."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "bfloat16"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """The canonical tensors of a model, in checkpoint order, and the config they came from."""
+
+    family: str
+    tensors: tuple[TensorMeta, ...]
+    config: dict = field(default_factory=dict, compare=False, hash=False)
+    dtype: str = "bfloat16"
+
+    def by_name(self) -> dict[str, TensorMeta]:
+        return {t.name: t for t in self.tensors}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)

@@ -1,0 +1,94 @@
+"""The runtime's JSON report (DESIGN 6) and progress events: the one wire format shared by the
+runtime and the operator besides the CRD. Serialised camelCase (`model_dump(by_alias=True)`),
+so the operator can copy a summary into the CR's status without renaming.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class SyncResult(StrEnum):
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class SyncStep(StrEnum):
+    DISCOVER = "discover"
+    PLAN = "plan"
+    CONNECT = "connect"
+    TRANSFER = "transfer"
+    VERIFY = "verify"
+    COMMIT = "commit"
+
+
+class StageSeconds(WireModel):
+    discover: float = 0.0
+    plan: float = 0.0
+    connect: float = 0.0
+    transfer: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+
+
+class RankBytes(WireModel):
+    rank: int
+    role: str
+    name: str
+    """Participant (Ray actor) name."""
+    send_bytes: int
+    recv_bytes: int
+
+
+class SyncFailure(WireModel):
+    reason: str
+    """CamelCase machine-readable reason, e.g. TransferTimeout, ChecksumMismatch, TopologyMismatch."""
+    message: str
+    rank: int | None = None
+    step: SyncStep | None = None
+
+
+class SyncReport(WireModel):
+    version: str
+    started_at: datetime
+    finished_at: datetime
+    result: SyncResult
+    failure: SyncFailure | None = None
+    planned_bytes: int = 0
+    moved_bytes: int = 0
+    seconds: float = 0.0
+    throughput_bytes_per_second: float = 0.0
+    stages: StageSeconds = StageSeconds()
+    ranks: list[RankBytes] = []
+    plan_digest: str = ""
+    plan_cached: bool = False
+    """True when the plan and process group from an earlier sync were reused (warm path)."""
+    rounds: int = 0
+    transfers: int = 0
+    relay: bool = False
+
+
+class ProgressEvent(WireModel):
+    version: str
+    step: SyncStep
+    done_bytes: int = 0
+    total_bytes: int = 0
+    round: int = 0
+    rounds: int = 0
+
+
+class Reporter(Protocol):
+    """Where the coordinator publishes progress and results (stdout, a file, the Kubernetes API)."""
+
+    def progress(self, event: ProgressEvent) -> None: ...
+
+    def finished(self, report: SyncReport) -> None: ...
