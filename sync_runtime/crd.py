@@ -43,7 +43,12 @@ class Parallelism(CrdModel):
 
     def to_spec(self) -> ParallelSpec:
         return ParallelSpec(
-            tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, etp=self.etp, vpp=self.vpp,
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            ep=self.ep,
+            etp=self.etp,
+            vpp=self.vpp,
             replicas=self.replicas,
             layer_counts=tuple(self.layer_counts) if self.layer_counts else None,
         )

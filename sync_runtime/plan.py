@@ -61,7 +61,7 @@ class SyncPlan:
     digest: str
     """Stable hash of everything that defines the plan; every participant checks it."""
     relay: bool = False
-    """True when destination replicas forward to each other (then some buckets have a destination src_rank)."""
+    """True when destination replicas forward to each other (some buckets then leave a destination)."""
     stats: dict = field(default_factory=dict, compare=False, hash=False)
 
     def for_rank(self, rank: int) -> RankPlan:

@@ -148,18 +148,30 @@ def enumerate_ranks(spec: ParallelSpec, role: Role, gpus_per_node: int = 8) -> l
                 for tp_rank in range(spec.tp):
                     ep_rank, etp_rank, edp_rank = source_expert_coords(spec, tp_rank, dp_rank)
                     coords.append(
-                        RankCoord(role=role, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
-                                  ep_rank=ep_rank, etp_rank=etp_rank, edp_rank=edp_rank)
+                        RankCoord(
+                            role=role,
+                            tp_rank=tp_rank,
+                            pp_rank=pp_rank,
+                            dp_rank=dp_rank,
+                            ep_rank=ep_rank,
+                            etp_rank=etp_rank,
+                            edp_rank=edp_rank,
+                        )
                     )
     else:
         for replica in range(spec.replicas):
             for pp_rank in range(spec.pp):
                 for tp_rank in range(spec.tp):
                     ep_rank = tp_rank if spec.ep > 1 else 0
-                    coords.append(RankCoord(role=role, replica=replica, tp_rank=tp_rank,
-                                            pp_rank=pp_rank, ep_rank=ep_rank))
+                    coords.append(
+                        RankCoord(
+                            role=role, replica=replica, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank
+                        )
+                    )
     return [
-        dataclasses.replace(c, node=f"{role.value}-node-{i // gpus_per_node}", device=f"cuda:{i % gpus_per_node}")
+        dataclasses.replace(
+            c, node=f"{role.value}-node-{i // gpus_per_node}", device=f"cuda:{i % gpus_per_node}"
+        )
         for i, c in enumerate(coords)
     ]
 
