@@ -1,0 +1,19 @@
+"""Layout conventions (DESIGN 4) as data: `get_layout("megatron" | "vllm" | "hf")`."""
+
+from __future__ import annotations
+
+from sync_runtime.layouts.base import Layout, LayoutError
+from sync_runtime.layouts.hf import HfLayout
+
+LAYOUTS: dict[str, Layout] = {"hf": HfLayout()}
+
+
+def get_layout(name: str) -> Layout:
+    """The layout registered under `name`; LayoutError listing the known ones otherwise."""
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise LayoutError(f"unknown layout {name!r} (known: {', '.join(sorted(LAYOUTS))})") from None
+
+
+__all__ = ["LAYOUTS", "Layout", "LayoutError", "get_layout"]

@@ -1,0 +1,215 @@
+"""Shared machinery of the layouts: a parsed view of a manifest, range arithmetic, a shard builder.
+
+Layouts run `shard()` for every rank of models with ~70k tensors, so the per-manifest parsing
+(names -> layers, experts) happens once and is cached by manifest identity, and per-rank results
+are cached by the coordinates that determine them (see `RankCache`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+
+from sync_runtime.layouts.base import Box, LayoutError, LocalTensorMeta, Piece, Range, RankShard
+from sync_runtime.manifest import Manifest, TensorMeta
+from sync_runtime.models.config import ModelConfigError, ModelDims, model_dims
+from sync_runtime.topology import ParallelSpec, RankCoord
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+FINAL_NORM = "model.norm.weight"
+TOP_LEVEL = frozenset({EMBED, LM_HEAD, FINAL_NORM})
+EXPERT_SUFFIXES = frozenset({"gate_proj.weight", "up_proj.weight", "down_proj.weight"})
+
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(r"mlp\.experts\.(\d+)\.(.+)")
+
+
+def part(n: int, t: int, r: int) -> Range:
+    """The r-th of t contiguous parts of range(n) (DESIGN 4: `[r*n/t, (r+1)*n/t)`)."""
+    return (r * n // t, (r + 1) * n // t)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def require(ok: bool, layout: str, subject: str, constraint: str) -> None:
+    """Raise the LayoutError format every layout uses: "<layout>: <tensor or field>: <constraint>"."""
+    if not ok:
+        raise LayoutError(f"{layout}: {subject}: {constraint}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerView:
+    """The canonical tensors of one decoder layer, keyed by name suffix after `model.layers.{i}.`."""
+
+    index: int
+    prefix: str
+    """`model.layers.{i}.`"""
+    dense: dict[str, TensorMeta]
+    """Every non-routed-expert tensor of the layer."""
+    experts: tuple[dict[str, TensorMeta], ...]
+    """Per routed expert e: {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelView:
+    manifest: Manifest
+    dims: ModelDims
+    top: dict[str, TensorMeta]
+    layers: tuple[LayerView, ...]
+
+
+_VIEWS: OrderedDict[int, ModelView] = OrderedDict()
+_MAX_CACHED = 8
+
+
+def _parse(manifest: Manifest) -> ModelView:
+    try:
+        dims = model_dims(manifest.config)
+    except ModelConfigError as e:
+        raise LayoutError(f"manifest of family {manifest.family!r}: {e}") from e
+    top: dict[str, TensorMeta] = {}
+    dense: list[dict[str, TensorMeta]] = [{} for _ in range(dims.num_layers)]
+    experts: list[list[dict[str, TensorMeta]]] = [[] for _ in range(dims.num_layers)]
+    for t in manifest.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        if m is None:
+            top[t.name] = t
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        if i >= dims.num_layers:
+            raise LayoutError(
+                f"{t.name}: layer {i} >= num_hidden_layers={dims.num_layers} (MTP layers are not synced)"
+            )
+        em = _EXPERT_RE.fullmatch(rest) if rest.startswith("mlp.experts.") else None
+        if em is None:
+            dense[i][rest] = t
+            continue
+        e, suffix = int(em.group(1)), em.group(2)
+        per_layer = experts[i]
+        while len(per_layer) <= e:
+            per_layer.append({})
+        per_layer[e][suffix] = t
+    layers = tuple(
+        LayerView(i, f"model.layers.{i}.", dense[i], tuple(experts[i])) for i in range(dims.num_layers)
+    )
+    for layer in layers:
+        for e, tensors in enumerate(layer.experts):
+            if set(tensors) != EXPERT_SUFFIXES:
+                raise LayoutError(
+                    f"{layer.prefix}mlp.experts.{e}: has {sorted(tensors)}, "
+                    f"expected {sorted(EXPERT_SUFFIXES)}"
+                )
+    for name in top:
+        if name not in TOP_LEVEL:
+            raise LayoutError(f"{name}: not a tensor any layout knows (top level: {sorted(TOP_LEVEL)})")
+    return ModelView(manifest, dims, top, layers)
+
+
+def model_view(manifest: Manifest) -> ModelView:
+    """The parsed view of a manifest, cached by identity (manifests are immutable)."""
+    view = _VIEWS.get(id(manifest))
+    if view is not None and view.manifest is manifest:
+        _VIEWS.move_to_end(id(manifest))
+        return view
+    view = _parse(manifest)
+    _VIEWS[id(manifest)] = view  # the entry keeps the manifest alive, so its id is not reused
+    while len(_VIEWS) > _MAX_CACHED:
+        _VIEWS.popitem(last=False)
+    return view
+
+
+class TrackingDict(dict):
+    """A dict that records which keys were read: to prove a layout rule consumed every tensor."""
+
+    def __init__(self, data: dict[str, TensorMeta]) -> None:
+        super().__init__(data)
+        self.read: set[str] = set()
+
+    def __getitem__(self, key: str) -> TensorMeta:
+        self.read.add(key)
+        return super().__getitem__(key)
+
+
+class ShardBuilder:
+    """Accumulates a rank's local tensors and pieces."""
+
+    __slots__ = ("pieces", "tensors")
+
+    def __init__(self) -> None:
+        self.tensors: list[LocalTensorMeta] = []
+        self.pieces: list[Piece] = []
+
+    def local(self, name: str, shape: tuple[int, ...], dtype: str) -> None:
+        self.tensors.append(LocalTensorMeta(name, shape, dtype))
+
+    def piece(self, tensor: str, canon_box: Box, local_name: str, local_box: Box) -> None:
+        self.pieces.append(Piece(tensor, canon_box, local_name, local_box))
+
+    def full(self, t: TensorMeta, local_name: str) -> None:
+        """A full copy of `t` under `local_name`."""
+        box = tuple((0, s) for s in t.shape)
+        self.tensors.append(LocalTensorMeta(local_name, t.shape, t.dtype))
+        self.pieces.append(Piece(t.name, box, local_name, box))
+
+    def split(self, t: TensorMeta, local_name: str, dim: int, parts: int, index: int) -> None:
+        """Part `index` of `parts` of `t` along `dim` (0: column-parallel rows, 1: row-parallel columns)."""
+        lo, hi = part(t.shape[dim], parts, index)
+        canon = tuple((lo, hi) if d == dim else (0, s) for d, s in enumerate(t.shape))
+        shape = tuple(hi - lo if d == dim else s for d, s in enumerate(t.shape))
+        self.tensors.append(LocalTensorMeta(local_name, shape, t.dtype))
+        self.pieces.append(Piece(t.name, canon, local_name, tuple((0, s) for s in shape)))
+
+    def vocab_rows(self, t: TensorMeta, local_name: str, padded: int, parts: int, index: int) -> None:
+        """Rows `index`-th of `parts` over the vocab padded to `padded` rows; padding rows are uncovered."""
+        vocab, hidden = t.shape
+        lo, hi = part(padded, parts, index)
+        self.tensors.append(LocalTensorMeta(local_name, (hi - lo, hidden), t.dtype))
+        top = min(hi, vocab)
+        if top > lo:
+            self.pieces.append(
+                Piece(t.name, ((lo, top), (0, hidden)), local_name, ((0, top - lo), (0, hidden)))
+            )
+
+    def done(self, coord: RankCoord) -> RankShard:
+        return RankShard(coord, tuple(self.tensors), tuple(self.pieces))
+
+
+class RankCache:
+    """Per-layout cache of (tensors, pieces) by (manifest, spec, coordinates that matter).
+
+    The planner calls shard() for every rank, often several times; identical shards (DP copies)
+    are computed once. Bounded: entries of the least recently used manifests are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._by_model: OrderedDict[tuple[int, ParallelSpec], tuple[ModelView, dict[Hashable, RankShard]]] = (
+            OrderedDict()
+        )
+
+    def get(
+        self,
+        view: ModelView,
+        spec: ParallelSpec,
+        key: Hashable,
+        coord: RankCoord,
+        build: Callable[[], RankShard],
+    ) -> RankShard:
+        model_key = (id(view), spec)
+        entry = self._by_model.get(model_key)
+        if entry is None or entry[0] is not view:
+            # The entry holds the view, so its id cannot be reused while the entry lives.
+            entry = self._by_model[model_key] = (view, {})
+            while len(self._by_model) > _MAX_CACHED:
+                self._by_model.popitem(last=False)
+        shards = entry[1]
+        shard = shards.get(key)
+        if shard is None:
+            shard = shards[key] = build()
+        if shard.coord == coord:
+            return shard
+        return RankShard(coord, shard.tensors, shard.pieces)
