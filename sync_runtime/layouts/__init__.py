@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from sync_runtime.layouts.base import Layout, LayoutError
 from sync_runtime.layouts.hf import HfLayout
+from sync_runtime.layouts.vllm import VllmLayout
 
-LAYOUTS: dict[str, Layout] = {"hf": HfLayout()}
+LAYOUTS: dict[str, Layout] = {"hf": HfLayout(), "vllm": VllmLayout()}
 
 
 def get_layout(name: str) -> Layout:

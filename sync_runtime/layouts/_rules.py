@@ -36,6 +36,14 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def kv_head_range(nkv: int, t: int, r: int) -> Range:
+    """KV heads of TP rank r (DESIGN 4.1): r-th of t when t <= nkv, else the single head r // (t // nkv)."""
+    if t <= nkv:
+        return part(nkv, t, r)
+    head = r // (t // nkv)
+    return (head, head + 1)
+
+
 def require(ok: bool, layout: str, subject: str, constraint: str) -> None:
     """Raise the LayoutError format every layout uses: "<layout>: <tensor or field>: <constraint>"."""
     if not ok:
@@ -135,6 +143,21 @@ class TrackingDict(dict):
         return super().__getitem__(key)
 
 
+def check_coverage(
+    view: ModelView, layout: str, place: Callable[[ShardBuilder, LayerView, dict[str, TensorMeta]], None]
+) -> None:
+    """Run a layout's per-layer rule once per layer and fail on any tensor it did not read.
+
+    A layer rule reads the same tensors whatever the rank, so one pass proves that no canonical
+    tensor is silently dropped by this layout.
+    """
+    for layer in view.layers:
+        tracked = TrackingDict(layer.dense)
+        place(ShardBuilder(), layer, tracked)
+        for name in sorted(set(layer.dense) - tracked.read):
+            raise LayoutError(f"{layout}: {layer.prefix}{name}: no rule of this layout covers the tensor")
+
+
 class ShardBuilder:
     """Accumulates a rank's local tensors and pieces."""
 
@@ -175,6 +198,25 @@ class ShardBuilder:
                 Piece(t.name, ((lo, top), (0, hidden)), local_name, ((0, top - lo), (0, hidden)))
             )
 
+    def rows_into(self, t: TensorMeta, lo: int, hi: int, local_name: str, at: int, lead: Box = ()) -> None:
+        """Rows [lo, hi) of `t` at rows [at, ...) of `local_name`, under leading unit dims `lead`."""
+        rest = tuple((0, s) for s in t.shape[1:])
+        self.pieces.append(Piece(t.name, ((lo, hi), *rest), local_name, (*lead, (at, at + hi - lo), *rest)))
+
+    def cols_into(self, t: TensorMeta, lo: int, hi: int, local_name: str, lead: Box = ()) -> None:
+        """Columns [lo, hi) of 2-D `t` as the whole of `local_name` (under leading unit dims `lead`)."""
+        rows = (0, t.shape[0])
+        self.pieces.append(Piece(t.name, (rows, (lo, hi)), local_name, (*lead, rows, (0, hi - lo))))
+
+    def concat_rows(self, local_name: str, segments: list[tuple[TensorMeta, int, int]]) -> None:
+        """A local tensor made of row ranges of several tensors, concatenated on dim 0 in order."""
+        first = segments[0][0]
+        at = 0
+        for t, lo, hi in segments:
+            self.rows_into(t, lo, hi, local_name, at)
+            at += hi - lo
+        self.tensors.append(LocalTensorMeta(local_name, (at, *first.shape[1:]), first.dtype))
+
     def done(self, coord: RankCoord) -> RankShard:
         return RankShard(coord, tuple(self.tensors), tuple(self.pieces))
 
@@ -198,10 +240,13 @@ class RankCache:
         key: Hashable,
         coord: RankCoord,
         build: Callable[[], RankShard],
+        check: Callable[[], None],
     ) -> RankShard:
+        """The shard of `key`, built once; `check` (the layout's validation) runs once per model and spec."""
         model_key = (id(view), spec)
         entry = self._by_model.get(model_key)
         if entry is None or entry[0] is not view:
+            check()
             # The entry holds the view, so its id cannot be reused while the entry lives.
             entry = self._by_model[model_key] = (view, {})
             while len(self._by_model) > _MAX_CACHED:

@@ -19,6 +19,7 @@ from sync_runtime.layouts._rules import (
     ModelView,
     RankCache,
     ShardBuilder,
+    kv_head_range,
     model_view,
     part,
     require,
@@ -62,14 +63,6 @@ RULES: dict[str, str] = {
 }
 
 
-def kv_head_range(nkv: int, t: int, r: int) -> tuple[int, int]:
-    """KV heads of TP rank r (DESIGN 4.1): r-th of t when t <= nkv, else the single head r // (t // nkv)."""
-    if t <= nkv:
-        return part(nkv, t, r)
-    head = r // (t // nkv)
-    return (head, head + 1)
-
-
 class HfLayout:
     name = NAME
 
@@ -83,11 +76,9 @@ class HfLayout:
         view = model_view(manifest)
         key = (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
 
-        def build() -> RankShard:
-            _validate(view, spec)
-            return _build(view, spec, coord)
-
-        return self._cache.get(view, spec, key, coord, build)
+        return self._cache.get(
+            view, spec, key, coord, lambda: _build(view, spec, coord), lambda: _validate(view, spec)
+        )
 
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:
@@ -95,7 +86,7 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
     try:
         stage_layer_ranges(d.num_layers, spec.pp, spec.layer_counts)
     except TopologyError as e:
-        raise LayoutError(f"{NAME}: pp={spec.pp}: {e}") from e
+        raise LayoutError(f"{NAME}: pp: {e}") from e
     for layer in view.layers:
         for suffix in layer.dense:
             require(suffix in RULES, NAME, layer.prefix + suffix, "no rule of this layout covers the tensor")
