@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from sync_runtime.layouts.base import Layout, LayoutError
 from sync_runtime.layouts.hf import HfLayout
+from sync_runtime.layouts.megatron import MegatronLayout
 from sync_runtime.layouts.vllm import VllmLayout
 
-LAYOUTS: dict[str, Layout] = {"hf": HfLayout(), "vllm": VllmLayout()}
+LAYOUTS: dict[str, Layout] = {"hf": HfLayout(), "megatron": MegatronLayout(), "vllm": VllmLayout()}
 
 
 def get_layout(name: str) -> Layout:
