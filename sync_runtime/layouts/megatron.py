@@ -42,7 +42,7 @@ from sync_runtime.layouts._rules import (
     require,
     round_up,
 )
-from sync_runtime.layouts.base import LayoutError, RankShard
+from sync_runtime.layouts.base import LayoutError, LocalTensorMeta, Piece, RankShard
 from sync_runtime.manifest import Manifest, TensorMeta
 from sync_runtime.topology import ParallelSpec, RankCoord, Role, TopologyError, stage_layer_ranges
 
@@ -218,19 +218,25 @@ def _attention(
 
 def _experts(out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, coord: RankCoord) -> None:
     e0, e1 = part(len(layer.experts), spec.ep, coord.ep_rank)
+    gate0 = layer.experts[0]["gate_proj.weight"]
+    hidden, dtype = gate0.shape[1], gate0.dtype
+    lo, hi = part(gate0.shape[0], spec.etp, coord.etp_rank)
+    n = hi - lo
+    # Hot path (Kimi-K2: ~70k expert tensors): boxes and shapes are shared by all experts of the
+    # layer and pieces are built directly, not through the generic helpers.
+    full_h = (0, hidden)
+    canon_rows, canon_cols = ((lo, hi), full_h), (full_h, (lo, hi))
+    gate_box, up_box, fc2_box = ((0, n), full_h), ((n, 2 * n), full_h), (full_h, (0, n))
+    fc1_shape, fc2_shape = (2 * n, hidden), (hidden, n)
+    tensors, pieces = out.tensors, out.pieces
     for k, e in enumerate(range(e0, e1)):
-        tensors = layer.experts[e]
-        _fc1(
-            out,
-            f"{p}mlp.experts.linear_fc1.weight{k}",
-            tensors["gate_proj.weight"],
-            tensors["up_proj.weight"],
-            spec.etp,
-            coord.etp_rank,
-        )
-        out.split(
-            tensors["down_proj.weight"], f"{p}mlp.experts.linear_fc2.weight{k}", 1, spec.etp, coord.etp_rank
-        )
+        expert = layer.experts[e]
+        fc1, fc2 = f"{p}mlp.experts.linear_fc1.weight{k}", f"{p}mlp.experts.linear_fc2.weight{k}"
+        tensors.append(LocalTensorMeta(fc1, fc1_shape, dtype))
+        tensors.append(LocalTensorMeta(fc2, fc2_shape, dtype))
+        pieces.append(Piece(expert["gate_proj.weight"].name, canon_rows, fc1, gate_box))
+        pieces.append(Piece(expert["up_proj.weight"].name, canon_rows, fc1, up_box))
+        pieces.append(Piece(expert["down_proj.weight"].name, canon_cols, fc2, fc2_box))
 
 
 def _layer(

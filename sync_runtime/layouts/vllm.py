@@ -33,7 +33,7 @@ from sync_runtime.layouts._rules import (
     require,
     round_up,
 )
-from sync_runtime.layouts.base import LayoutError, RankShard
+from sync_runtime.layouts.base import LayoutError, Piece, RankShard
 from sync_runtime.manifest import Manifest, TensorMeta
 from sync_runtime.topology import ParallelSpec, RankCoord, Role, TopologyError, stage_layer_ranges
 
@@ -180,12 +180,18 @@ def _experts(out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, co
     n = hi - lo
     out.local(w13, (e1 - e0, 2 * n, hidden), dtype)
     out.local(w2, (e1 - e0, hidden, n), dtype)
+    # Hot path (Kimi-K2: ~70k expert pieces per replica): boxes are shared by all experts of the
+    # layer and pieces are built directly, not through the generic helpers.
+    full_h = (0, hidden)
+    canon_rows, canon_cols = ((lo, hi), full_h), (full_h, (lo, hi))
+    gate_rows, up_rows, w2_rest = (0, n), (n, 2 * n), (full_h, (0, n))
+    pieces = out.pieces
     for k, e in enumerate(range(e0, e1)):
-        lead = ((k, k + 1),)
+        lead = (k, k + 1)
         tensors = experts[e]
-        out.rows_into(tensors["gate_proj.weight"], lo, hi, w13, 0, lead)
-        out.rows_into(tensors["up_proj.weight"], lo, hi, w13, n, lead)
-        out.cols_into(tensors["down_proj.weight"], lo, hi, w2, lead)
+        pieces.append(Piece(tensors["gate_proj.weight"].name, canon_rows, w13, (lead, gate_rows, full_h)))
+        pieces.append(Piece(tensors["up_proj.weight"].name, canon_rows, w13, (lead, up_rows, full_h)))
+        pieces.append(Piece(tensors["down_proj.weight"].name, canon_cols, w2, (lead, *w2_rest)))
 
 
 def _layer(
