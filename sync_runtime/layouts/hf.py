@@ -100,7 +100,10 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
         )
     if t == 1:
         return
-    require(d.num_heads % t == 0, NAME, "self_attn", f"nh={d.num_heads} not divisible by tp={t}")
+    q_name = "model.layers.0.self_attn." + (
+        "q_proj.weight" if not d.mla or not d.q_lora_rank else "q_b_proj.weight"
+    )
+    require(d.num_heads % t == 0, NAME, q_name, f"nh={d.num_heads} not divisible by tp={t}")
     if not d.mla:
         require(
             t % d.num_kv_heads == 0 or d.num_kv_heads % t == 0,
