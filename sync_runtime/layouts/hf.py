@@ -108,7 +108,7 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
         require(
             t % d.num_kv_heads == 0 or d.num_kv_heads % t == 0,
             NAME,
-            "self_attn.k_proj.weight",
+            "model.layers.0.self_attn.k_proj.weight",
             f"nkv={d.num_kv_heads} and tp={t}: one must divide the other",
         )
     require(
