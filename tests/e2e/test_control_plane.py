@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import textwrap
 import time
@@ -76,6 +77,34 @@ def test_version_reports_release(control_plane: Any, kubectl: Any) -> None:
     out = json.loads(kubectl("version", "-o", "json").stdout)
     assert out["serverVersion"]["gitVersion"] == K8S_VERSION
     assert out["clientVersion"]["minor"].startswith("35")
+
+
+def _listening(pid: int) -> list[str]:
+    """host:port of every TCP socket in LISTEN state owned by ``pid`` (from /proc)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd) if fd.is_symlink() else ""
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
+                addr, port = f[1].split(":")
+                raw = bytes.fromhex(addr)
+                # /proc/net stores addresses as native-endian 32-bit words
+                words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
+                ip = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, b"".join(words))
+                found.append(f"{ip}:{int(port, 16)}")
+    return found
+
+
+def test_control_plane_listens_only_on_loopback(control_plane: Any) -> None:
+    for name, proc in control_plane.procs.items():
+        addrs = _listening(proc.pid)
+        assert addrs, f"{name} listens nowhere?"
+        assert all(a.startswith("127.0.0.1:") for a in addrs), (name, addrs)
 
 
 def test_kubectl_get_namespaces(kubectl: Any) -> None:
@@ -179,6 +208,46 @@ def test_pod_gets_secret_configmap_and_token(control_plane: Any, node_agent: Any
     conds = {c["type"]: c["status"] for c in done["status"]["conditions"]}
     assert conds["PodScheduled"] == "True" and conds["Initialized"] == "True"
     assert node_agent.logs(ns, "reader").strip() == "done"
+
+
+def test_in_cluster_client_is_bound_by_rbac(control_plane: Any, node_agent: Any, namespace: str) -> None:
+    """The kubernetes client's in-cluster config works in a pod, with the pod's own RBAC."""
+    code = textwrap.dedent("""\
+        import json, os
+        from kubernetes import client, config
+        config.load_incluster_config()
+        v1 = client.CoreV1Api()
+        pods = [p.metadata.name for p in v1.list_namespaced_pod(os.environ["NS"]).items]
+        try:
+            v1.list_namespaced_secret("kube-system")
+            secrets = "allowed"
+        except client.ApiException as e:
+            secrets = e.status
+        open("/dev/termination-log", "w").write(json.dumps({"pods": pods, "secrets": secrets}))
+        """)
+    ns = namespace
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": {"name": "pod-reader", "namespace": ns},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]}],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {"name": "pod-reader", "namespace": ns},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pod-reader"},
+        "subjects": [{"kind": "ServiceAccount", "name": "default", "namespace": ns}],
+    }
+    pod = python_pod(
+        "incluster", ns, code, restartPolicy="Never", container={"env": [{"name": "NS", "value": ns}]}
+    )
+    apply(control_plane, role, binding)
+    apply(control_plane, pod)
+    done = pod_phase(control_plane, ns, "incluster", ("Succeeded", "Failed"))
+    terminated = done["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert done["status"]["phase"] == "Succeeded", (terminated, node_agent.logs(ns, "incluster"))
+    assert json.loads(terminated["message"]) == {"pods": ["incluster"], "secrets": 403}
 
 
 def test_failing_pod_reports_exit_code(control_plane: Any, node_agent: Any, namespace: str) -> None:

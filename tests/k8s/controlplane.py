@@ -44,6 +44,8 @@ DEFAULT_CONTROLLERS = (
     "serviceaccount-controller",
     "serviceaccount-token-controller",
     "root-ca-certificate-publisher-controller",
+    "clusterrole-aggregation-controller",  # fills admin/edit/view from aggregate-to-* roles
+    "ttl-after-finished-controller",
 )
 SERVICE_CIDR = "10.0.0.0/24"
 SA_ISSUER = "https://kubernetes.default.svc.cluster.local"
