@@ -374,9 +374,9 @@ def test_round_trip_dense(layout: str, spec: str, preset: str) -> None:
     try:
         get_layout(layout).validate(m, parsed)
     except LayoutError as e:
-        # Only the documented constraints may refuse a grid point.
+        # Only the documented constraints may refuse a grid point; the refusal is the result.
         assert any(k in str(e) for k in ("nkv=", "vpp", "layers", "layer_counts")), str(e)
-        pytest.skip(str(e))
+        return
     assert_round_trip(layout, m, parsed)
 
 
