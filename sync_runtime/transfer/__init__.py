@@ -1,0 +1,34 @@
+"""Transfer engine: executes a RankPlan over a standalone torch.distributed process group.
+
+Public API (used by the coordinator and the Ray participants):
+`SyncGroup`, `TransferConfig`, `DestinationWeights`, `run_rank_plan`, `RankResult`,
+`verify_plan_against_tensors`, `PlanMismatchError`, `TransferError`, `checksum_tensor`.
+"""
+
+from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
+from sync_runtime.transfer.config import (
+    PlanMismatchError,
+    RankResult,
+    StagingError,
+    TransferConfig,
+    TransferError,
+)
+from sync_runtime.transfer.engine import run_rank_plan
+from sync_runtime.transfer.group import ConnectError, SyncGroup
+from sync_runtime.transfer.staging import DestinationWeights
+from sync_runtime.transfer.verify import verify_plan_against_tensors
+
+__all__ = [
+    "ConnectError",
+    "DestinationWeights",
+    "PlanMismatchError",
+    "RankResult",
+    "StagingError",
+    "SyncGroup",
+    "TransferConfig",
+    "TransferError",
+    "checksum_tensor",
+    "hex_digest",
+    "run_rank_plan",
+    "verify_plan_against_tensors",
+]

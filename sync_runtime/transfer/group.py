@@ -1,0 +1,234 @@
+"""The sync's process group: one per WeightSync lifetime per participant, reused across syncs.
+
+Why a standalone backend object (`ProcessGroupGloo` / `ProcessGroupNCCL` built directly on a
+store) and not `init_process_group` / `new_group`: the participant is a Megatron trainer or a
+vLLM worker that usually already owns the default group, `new_group` would have to be called
+collectively by *their* world, and a second `init_process_group` is refused. A backend object
+needs only a store, a rank and a size, and lives and dies with this class. Every key it writes
+sits under `weightsync/<group_name>/<generation>/`, so several WeightSyncs (and successive
+reconnects of one) share the coordinator's TCPStore without colliding.
+
+The store also carries the sync's control plane (DESIGN 2.6): the plan digest every rank must
+agree on, the first failure of a sync (`failed`), and the end-of-sync decision (`end`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from sync_runtime.transfer.config import TransferError
+
+_END_OK = "ok"
+_END_FAILED = "failed"
+
+
+class ConnectError(TransferError):
+    def __init__(self, message: str) -> None:
+        super().__init__(message, step="connect")
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
+class SyncGroup:
+    """A process group over all source and destination ranks of one WeightSync."""
+
+    def __init__(
+        self,
+        *,
+        store: dist.Store,
+        backend: dist.Backend,
+        rank: int,
+        world_size: int,
+        kind: str,
+        timeout_s: float,
+        name: str,
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.kind = kind
+        self.timeout_s = timeout_s
+        self.name = name
+        self.healthy = True
+        """False after any failed sync: close() and reconnect; a group that saw a failure is not reused."""
+        self._syncs = 0
+        self._orphans: list[threading.Thread] = []
+        self._closed = False
+
+    @classmethod
+    def connect(
+        cls,
+        *,
+        store_host: str,
+        store_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        group_name: str,
+    ) -> SyncGroup:
+        """Join group `group_name` through the coordinator's TCPStore (collective over world_size ranks).
+
+        Every participant of one group must call this once per connection generation; the
+        generation comes from a counter in the store so a reconnect after a failure never reads
+        the previous connection's rendezvous keys.
+        """
+        where = f"rank {rank} of {world_size}: connect to group {group_name!r} via {store_host}:{store_port}"
+        if backend not in ("gloo", "nccl"):
+            raise ConnectError(f"{where}: backend={backend!r}, must be 'gloo' or 'nccl'")
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            client = dist.TCPStore(
+                store_host, store_port, is_master=False, timeout=timeout, wait_for_workers=False
+            )
+            root = dist.PrefixStore(f"weightsync/{group_name}", client)
+            generation = (root.add(f"connect/{world_size}", 1) - 1) // world_size
+            store = dist.PrefixStore(str(generation), root)
+            pg = _make_backend(dist.PrefixStore("pg", store), rank, world_size, backend, timeout)
+        except Exception as e:  # the store and backend raise several unrelated types
+            raise ConnectError(f"{where} failed (step connect): {type(e).__name__}: {e}") from e
+        name = f"{group_name}/{generation}"
+        return cls(
+            store=store,
+            backend=pg,
+            rank=rank,
+            world_size=world_size,
+            kind=backend,
+            timeout_s=timeout_s,
+            name=name,
+        )
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def post(
+        self, sends: list[tuple[int, torch.Tensor, int]], recvs: list[tuple[int, torch.Tensor, int]]
+    ) -> list[dist.Work]:
+        """Start one round's messages, `(peer, buffer, tag)` each; returns Works in recvs+sends order.
+
+        gloo: every irecv is posted before any isend, so two ranks that send to each other in the
+        same round cannot block on each other. NCCL: the whole round is one coalesced group
+        (batch_isend_irecv semantics, ncclGroupStart/End), the only deadlock-free way to issue
+        crossing sends there; it yields one Work for the round.
+        """
+        if self.kind == "nccl":
+            self.backend._start_coalescing()
+            for peer, buf, tag in recvs:
+                self.backend.recv([buf], peer, tag)
+            for peer, buf, tag in sends:
+                self.backend.send([buf], peer, tag)
+            return [self.backend._end_coalescing()]
+        works = [self.backend.recv([buf], peer, tag) for peer, buf, tag in recvs]
+        works += [self.backend.send([buf], peer, tag) for peer, buf, tag in sends]
+        return works
+
+    def adopt(self, thread: threading.Thread) -> None:
+        """Keep a waiter thread (and the Works and buffers it holds) alive until close().
+
+        A timed-out gloo operation may still be registered with its pair; its buffer must
+        outlive it, and the backend must not be destroyed under a thread blocked in wait().
+        """
+        self._orphans.append(thread)
+
+    # -- control plane through the store ----------------------------------------------------
+
+    def begin_sync(self) -> int:
+        """Number of this sync on this group; every rank calls run_rank_plan once per sync."""
+        self._syncs += 1
+        return self._syncs
+
+    def agree_digest(self, sync_id: int, digest: str) -> None:
+        agreed = _text(self.store.compare_set(f"sync/{sync_id}/digest", "", digest))
+        if agreed != digest:
+            raise TransferError(
+                f"rank {self.rank}: plan digest {digest[:16]} differs from the group's {agreed[:16]} "
+                f"(sync {sync_id}, step plan): participants were given different plans",
+                step="plan",
+            )
+
+    def report_failure(self, sync_id: int, message: str) -> None:
+        """Publish this rank's failure (first writer wins) and end the sync as failed. Best effort."""
+        self.healthy = False
+        try:
+            self.store.compare_set(f"sync/{sync_id}/failed", "", f"{self.rank}|{message}")
+            self.store.compare_set(f"sync/{sync_id}/end", "", _END_FAILED)
+        except Exception:
+            pass  # the store may be the thing that failed; peers then hit their timeouts
+
+    def peer_failure(self, sync_id: int) -> tuple[int, str] | None:
+        """(rank, message) of the first rank that failed this sync, if any."""
+        key = f"sync/{sync_id}/failed"
+        if not self.store.check([key]):
+            return None
+        rank, _, message = _text(self.store.get(key)).partition("|")
+        return int(rank), message
+
+    def finish(self, sync_id: int, timeout_s: float, last_round: int) -> None:
+        """Collective end of a sync: returns only when every rank finished its part without error.
+
+        The last rank to finish writes `end=ok`; a failing rank writes `end=failed`. Ranks wait
+        on that one key (a blocking store wait, no polling).
+        """
+        prefix = f"sync/{sync_id}"
+        self.store.set(f"{prefix}/ok/{self.rank}", "1")
+        if self.store.add(f"{prefix}/done", 1) == self.world_size:
+            self.store.compare_set(f"{prefix}/end", "", _END_OK)
+        try:
+            self.store.wait([f"{prefix}/end"], timedelta(seconds=timeout_s))
+        except Exception as e:
+            missing = [r for r in range(self.world_size) if not self.store.check([f"{prefix}/ok/{r}"])]
+            raise TransferError(
+                f"rank {self.rank}: end of sync {sync_id} after round {last_round} (step transfer): "
+                f"timed out after {timeout_s:.1f}s waiting for ranks {missing} to finish"
+            ) from e
+        if _text(self.store.get(f"{prefix}/end")) != _END_OK:
+            failure = self.peer_failure(sync_id)
+            who, why = failure if failure else (-1, "unknown failure")
+            raise TransferError(
+                f"rank {self.rank}: end of sync {sync_id} after round {last_round} (step transfer): "
+                f"peer rank {who} failed: {why}"
+            )
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the backend. Waiter threads of a failed sync are joined first (each has a deadline)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.healthy = False
+        deadline = time.monotonic() + self.timeout_s + 5.0
+        for thread in self._orphans:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in self._orphans):
+            return  # never destroy a backend under a blocked thread; the process exit reclaims it
+        self._orphans.clear()
+        try:
+            if self.kind == "nccl":
+                self.backend.abort()  # frees communicators even if a kernel is stuck on a dead peer
+            else:
+                self.backend.shutdown()
+        except Exception:
+            pass  # closing a broken group must not raise
+
+
+def _make_backend(
+    store: dist.Store, rank: int, world_size: int, backend: str, timeout: timedelta
+) -> dist.Backend:
+    if backend == "gloo":
+        # Builds the full mesh of pair connections now (blocking up to `timeout`), so a peer that
+        # never joins is reported at connect, not in the middle of the first sync.
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    # Eager communicator creation on the caller's current device: connect errors surface here.
+    pg.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+    return pg

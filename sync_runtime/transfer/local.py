@@ -1,0 +1,121 @@
+"""Run functions on a pool of local rank processes that share one TCPStore (tests, bench, demo).
+
+The pool is spawned once and reused: starting a process that imports torch costs seconds, a
+sync on loopback milliseconds. `run(fn, args)` calls `fn(ctx, *args[i])` on ranks
+0..len(args)-1 and collects what each returns (picklable, small). A rank process that dies
+(`os._exit` in a fault test) is reported with its exit code; the pool is then spent.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class RankContext:
+    """What a rank function gets: its rank and where the coordinator's store listens."""
+
+    rank: int
+    world_size: int
+    store_host: str
+    store_port: int
+    group_name: str
+    """Unique per `run` call, so every call can connect its own SyncGroup."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    rank: int
+    value: Any = None
+    error: str | None = None
+    """Traceback of an exception the function raised (not a transfer failure: those are values)."""
+    exitcode: int | None = None
+    """Set when the rank process died during the call."""
+
+
+def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
+    while True:
+        job = inbox.get()
+        if job is None:
+            return
+        call_id, fn, args = job
+        ctx = RankContext(rank, world, HOST, port, f"run{call_id}")
+        try:
+            outbox.put((call_id, rank, fn(ctx, *args), None))
+        except Exception:
+            outbox.put((call_id, rank, None, traceback.format_exc()))
+
+
+class LocalWorld:
+    """A pool of `size` spawned rank processes and the TCPStore a coordinator would host."""
+
+    def __init__(self, size: int) -> None:
+        # The master store lives in this (coordinator) process, as in production.
+        self.store = dist.TCPStore(
+            HOST, 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(size)]
+        self._procs = [
+            ctx.Process(
+                target=_serve, args=(r, size, self.store.port, self._inboxes[r], self._outbox), daemon=True
+            )
+            for r in range(size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._calls = 0
+        self.size = size
+
+    def run(self, fn: Callable[..., Any], args: Sequence[tuple], timeout_s: float = 120.0) -> list[Outcome]:
+        """Call `fn(ctx, *args[r])` on ranks 0..len(args)-1 concurrently; one Outcome per rank."""
+        if len(args) > self.size:
+            raise ValueError(f"{len(args)} ranks asked, the pool has {self.size}")
+        self._calls += 1
+        call_id = self._calls
+        for rank, rank_args in enumerate(args):
+            self._inboxes[rank].put((call_id, fn, tuple(rank_args)))
+        outcomes: dict[int, Outcome] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(outcomes) < len(args) and time.monotonic() < deadline:
+            try:
+                got_id, rank, value, error = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                for rank in range(len(args)):
+                    proc = self._procs[rank]
+                    if rank not in outcomes and not proc.is_alive():
+                        outcomes[rank] = Outcome(rank, exitcode=proc.exitcode)
+                continue
+            if got_id == call_id:
+                outcomes[rank] = Outcome(rank, value=value, error=error)
+        for rank in range(len(args)):
+            outcomes.setdefault(rank, Outcome(rank, error=f"no answer within {timeout_s}s"))
+        return [outcomes[r] for r in range(len(args))]
+
+    def close(self) -> None:
+        for inbox, proc in zip(self._inboxes, self._procs, strict=True):
+            if proc.is_alive():
+                inbox.put(None)
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()  # a rank stuck in a fault test; it is our own child
+                proc.join(5)
+
+    def __enter__(self) -> LocalWorld:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
