@@ -1,0 +1,345 @@
+"""The coordinator's I/O with Ray: connecting, discovery of all sides, concurrent remote calls
+with deadlines, and driving one transfer while collecting results and progress.
+
+Kept apart from coordinator.py so the sync's stage logic reads top to bottom there; everything
+here talks to Ray and turns its errors into a `SyncFailure` naming the rank, actor and step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from sync_runtime import crd
+from sync_runtime.crd import DeploymentRef, Transport, WeightSyncSpec
+from sync_runtime.discovery import (
+    DiscoveredSide,
+    DiscoveryError,
+    Participant,
+    TopologyMismatchError,
+    check_side,
+    gather,
+    topology_digest,
+)
+from sync_runtime.layouts import LayoutError
+from sync_runtime.manifest import Manifest
+from sync_runtime.models import ModelConfigError, build_manifest, load_model_config
+from sync_runtime.report import SyncFailure, SyncStep
+from sync_runtime.topology import Role
+from sync_runtime.transfer import RankResult, SyncGroup, TransferConfig
+
+if TYPE_CHECKING:
+    from sync_runtime.coordinator import Session
+
+DEADLINE_MARGIN_S = 10.0
+"""Slack on top of the transfer timeout before the coordinator stops waiting for a rank:
+the engine's own per-step timeouts fire first and produce the better message."""
+POLL_S = 0.2
+
+
+class StepFailed(Exception):
+    """A sync stage failed; carries the report's failure."""
+
+    def __init__(self, failure: SyncFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class RayFailure(RuntimeError):
+    """Cannot connect to the participants' Ray cluster."""
+
+
+# ---- Ray connection ------------------------------------------------------------------------
+
+
+def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
+    """Connect this process to the one Ray cluster all deployments live in (once per process).
+
+    Returns the resolved address; a process already connected (the demo's driver) is reused.
+    """
+    namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
+    refs = spec.deployments()
+    try:
+        addresses = [crd.resolve_ray_address(r, namespace) for r in refs]
+    except ValueError as e:
+        raise RayFailure(str(e)) from e
+    if len(set(addresses)) != 1:
+        listed = ", ".join(f"{r.name}={a}" for r, a in zip(refs, addresses, strict=True))
+        raise RayFailure(f"all deployments must share one Ray cluster; got {listed}")
+    address = addresses[0]
+    if ray.is_initialized():
+        return address
+    token = _ray_token(refs)
+    if token:
+        # Ray reads the token from RAY_AUTH_TOKEN (highest precedence) when RAY_AUTH_MODE=token.
+        os.environ["RAY_AUTH_MODE"] = "token"
+        os.environ["RAY_AUTH_TOKEN"] = token
+    try:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    except Exception as e:  # ray.init raises ConnectionError, ValueError, RuntimeError...
+        raise RayFailure(f"cannot connect to Ray at {address}: {type(e).__name__}: {_first_line(e)}") from e
+    return address
+
+
+def _ray_token(refs: Sequence[DeploymentRef]) -> str | None:
+    """The auth token the operator mounted for these deployments (never logged)."""
+    for index, ref in enumerate(refs):
+        if ref.auth_secret_ref is None:
+            continue
+        value = os.environ.get(crd.ray_token_env_name(index))
+        if value:
+            return value.strip()
+    return None
+
+
+# ---- discovery -----------------------------------------------------------------------------
+
+
+def discover_all(
+    spec: WeightSyncSpec,
+    manifest: Manifest | None,
+    timeout_s: float,
+) -> tuple[Manifest, list[DiscoveredSide], str]:
+    """Source first, then each destination; everything checked before a byte moves."""
+    try:
+        found = [gather(spec.source, timeout_s)] + [gather(d, timeout_s) for d in spec.destinations]
+        manifest = manifest or _manifest(spec, found[0])
+        roles = [Role.SOURCE] + [Role.DESTINATION] * len(spec.destinations)
+        refs = [spec.source, *spec.destinations]
+        sides = [
+            check_side(ref, role, ps, manifest) for ref, role, ps in zip(refs, roles, found, strict=True)
+        ]
+    except TopologyMismatchError as e:
+        raise StepFailed(
+            SyncFailure(reason="TopologyMismatch", message=str(e), step=SyncStep.DISCOVER)
+        ) from e
+    except (LayoutError, ModelConfigError) as e:
+        raise StepFailed(SyncFailure(reason="InvalidLayout", message=str(e), step=SyncStep.DISCOVER)) from e
+    except DiscoveryError as e:
+        raise StepFailed(SyncFailure(reason="DiscoveryFailed", message=str(e), step=SyncStep.DISCOVER)) from e
+    return manifest, sides, topology_digest(manifest, sides)
+
+
+def _manifest(spec: WeightSyncSpec, sources: Sequence[Participant]) -> Manifest:
+    if spec.model:
+        return build_manifest(load_model_config(spec.model))
+    configs = [p.meta.model_config for p in sources if p.meta.model_config]
+    if not configs:
+        raise DiscoveryError(
+            "spec.model is not set and no source actor reports a model config (ws_init model_config)"
+        )
+    return build_manifest(configs[0])
+
+
+# ---- remote calls --------------------------------------------------------------------------
+
+
+def call_all(
+    calls: Sequence[tuple[Participant, str, tuple]],
+    *,
+    timeout_s: float,
+    step: SyncStep,
+    ranks: Sequence[int] | None = None,
+    reason: str = "RemoteCallFailed",
+    raise_on_error: bool = True,
+) -> list[Any]:
+    """Call `method(*args)` on every participant concurrently; wait at most `timeout_s` in all."""
+    refs = [getattr(p.handle, method).remote(*args) for p, method, args in calls]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    out: list[Any] = []
+    for i, ((p, method, _), r) in enumerate(zip(calls, refs, strict=True)):
+        rank = ranks[i] if ranks is not None else None
+        where = f"{method} on {p.name}" + (f" (rank {rank})" if rank is not None else "")
+        if r not in done:
+            if raise_on_error:
+                raise StepFailed(
+                    SyncFailure(
+                        reason=reason,
+                        rank=rank,
+                        step=step,
+                        message=f"{where}: no answer within {timeout_s:g}s",
+                    )
+                )
+            out.append(None)
+            continue
+        try:
+            out.append(ray.get(r))
+        except ray.exceptions.RayError as e:
+            if raise_on_error:
+                died = isinstance(e, ray.exceptions.RayActorError)
+                raise StepFailed(
+                    SyncFailure(
+                        reason="ParticipantDied" if died else reason,
+                        rank=rank,
+                        step=step,
+                        message=f"{where}: {_first_line(e)}",
+                    )
+                ) from e
+            out.append(None)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]
+
+
+# ---- transfer ------------------------------------------------------------------------------
+
+
+def backend_for(participants: Sequence[Participant], transport: Transport) -> str:
+    if transport.backend != "auto":
+        return transport.backend
+    return "nccl" if all(p.meta.device.startswith("cuda") for p in participants) else "gloo"
+
+
+def transfer_config(
+    transport: Transport, participant: Participant, backend: str | None = None
+) -> TransferConfig:
+    backend = backend or backend_for([participant], transport)
+    device = participant.meta.device if backend == "nccl" else "cpu"
+    return TransferConfig(backend=backend, timeout_s=float(transport.transfer_timeout_seconds), device=device)
+
+
+def drive_transfer(
+    session: Session,
+    transport: Transport,
+    version: str,
+    store: Any,
+    on_progress: Callable[[int], None],
+) -> list[RankResult]:
+    """Run every rank's plan concurrently; return all results or raise StepFailed with the root cause."""
+    plan, ps = session.plan, session.participants
+    backend = backend_for(ps, transport)
+    keys = [f"{session.group_name}/progress/{rank}" for rank in range(len(ps))]
+    for key in keys:
+        store.delete_key(key)
+    refs: dict[Any, int] = {}
+    for rank, p in enumerate(ps):
+        rank_plan = plan.digest if session.plans_sent else plan.for_rank(rank)
+        cfg = transfer_config(transport, p, backend)
+        refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg)] = rank
+    session.syncs += 1  # the engine numbers syncs per group from 1; keeps the coordinator in step
+    deadline = time.monotonic() + transport.transfer_timeout_seconds + DEADLINE_MARGIN_S
+    results: dict[int, RankResult] = {}
+    failures: list[tuple[int, SyncFailure]] = []
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
+        for r in ready:
+            rank = refs[r]
+            outcome = _outcome(r, rank, ps[rank])
+            if isinstance(outcome, SyncFailure):
+                failures.append((_priority(outcome), outcome))
+                if outcome.reason in ("ParticipantDied", "RemoteCallFailed"):
+                    mark_failed(store, session, session.syncs, outcome, transport.transfer_timeout_seconds)
+            else:
+                results[rank] = outcome
+        on_progress(_progress(store, keys, results))
+    for r in pending:
+        rank = refs[r]
+        hung = SyncFailure(
+            reason="TransferTimeout",
+            rank=rank,
+            step=SyncStep.TRANSFER,
+            message=f"rank {rank} ({ps[rank].name}) did not finish within "
+            f"{transport.transfer_timeout_seconds}s (+{DEADLINE_MARGIN_S:g}s margin)",
+        )
+        failures.append((2, hung))
+        mark_failed(store, session, session.syncs, hung, transport.transfer_timeout_seconds)
+    if failures:
+        raise StepFailed(min(failures, key=lambda f: f[0])[1])
+    return [results[rank] for rank in range(len(ps))]
+
+
+def _outcome(ref: Any, rank: int, p: Participant) -> RankResult | SyncFailure:
+    try:
+        result: RankResult = ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        return SyncFailure(
+            reason="ParticipantDied",
+            rank=rank,
+            step=SyncStep.TRANSFER,
+            message=f"rank {rank} ({p.name}) died during the transfer: {_first_line(e)}",
+        )
+    except ray.exceptions.RayError as e:
+        return SyncFailure(
+            reason="RemoteCallFailed",
+            rank=rank,
+            step=SyncStep.TRANSFER,
+            message=f"rank {rank} ({p.name}): ws_run failed: {_first_line(e)}",
+        )
+    if result.ok:
+        return result
+    return SyncFailure(
+        reason=_reason(result, p),
+        rank=rank,
+        step=_step(result.step),
+        message=f"rank {rank} ({p.name}): {(result.error or '').strip()[:2000]}",
+    )
+
+
+def _reason(result: RankResult, p: Participant) -> str:
+    error = result.error or ""
+    if "peer rank" in error and "failed" in error:
+        return "PeerFailed"
+    if result.step == "verify" or "checksum" in error.lower():
+        return "ChecksumMismatch"
+    if result.step == "plan":
+        return "PlanMismatch"
+    if "timed out" in error or "Timeout" in error:
+        return "TransferTimeout"
+    return "SourceError" if p.meta.role is Role.SOURCE else "DestinationError"
+
+
+def _priority(failure: SyncFailure) -> int:
+    """Root cause first: a death or a rank's own error explains the peers' aborts and timeouts."""
+    return {"ParticipantDied": 0, "TransferTimeout": 2, "PeerFailed": 3}.get(failure.reason, 1)
+
+
+def _step(step: str | None) -> SyncStep:
+    try:
+        return SyncStep(step or "transfer")
+    except ValueError:
+        return SyncStep.TRANSFER
+
+
+def _progress(store: Any, keys: Sequence[str], results: dict[int, RankResult]) -> int:
+    """Bytes moved so far. Ranks count sent + received bytes, so every byte is counted twice."""
+    done = 0
+    for rank, key in enumerate(keys):
+        if rank in results:
+            done += results[rank].recv_bytes + results[rank].send_bytes
+        elif store.check([key]):
+            raw = store.get(key)
+            done += int((raw.decode() if isinstance(raw, bytes) else raw).partition("/")[0])
+    return done // 2
+
+
+def mark_failed(store: Any, session: Session, sync_id: int, failure: SyncFailure, timeout_s: float) -> None:
+    """Publish a failure the failing rank cannot publish itself (it died or hangs), so the other
+    ranks abort within one poll interval instead of waiting for their own timeouts.
+
+    Uses the engine's own control-plane code on the coordinator's store: the group's keys live
+    under `weightsync/<group_name>/<generation>/`, generation 0 because the coordinator joins
+    every group name exactly once.
+    """
+    import torch.distributed as dist
+
+    prefix = dist.PrefixStore(f"weightsync/{session.group_name}/0", store)
+    proxy = SyncGroup(
+        store=prefix,
+        backend=None,
+        rank=failure.rank if failure.rank is not None else -1,
+        world_size=len(session.participants),
+        kind="gloo",
+        timeout_s=timeout_s,
+        name=session.group_name,
+    )
+    proxy.report_failure(sync_id, f"[coordinator] {failure.reason}: {failure.message}")
