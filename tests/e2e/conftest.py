@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +61,9 @@ def control_plane(k8s_bin_dir: Path, pytestconfig: pytest.Config) -> Iterator[Co
 class NodeAgentProcess:
     """Handle on the node agent subprocess."""
 
-    def __init__(self, cp: ControlPlane, node_name: str, path_prefix: str) -> None:
+    def __init__(
+        self, cp: ControlPlane, node_name: str, path_prefix: str, extra_args: Sequence[str] = ()
+    ) -> None:
         self.node_name = node_name
         self.workdir = Path(tempfile.mkdtemp(prefix="ws-node-agent-"))
         self.log_path = self.workdir / "agent.log"
@@ -76,6 +78,7 @@ class NodeAgentProcess:
             path_prefix,
             "--workdir",
             str(self.workdir / "pods"),
+            *extra_args,
         ]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -113,6 +116,21 @@ def node_agent(control_plane: ControlPlane, pytestconfig: pytest.Config) -> Iter
     try:
         yield agent
     finally:
+        agent.stop()
+
+
+@pytest.fixture
+def start_node_agent(control_plane: ControlPlane) -> Iterator[Callable[..., NodeAgentProcess]]:
+    """Factory for extra node agents (``start_node_agent("node-x", "--no-mount-ns")``),
+    stopped after the test."""
+    agents: list[NodeAgentProcess] = []
+
+    def start(node_name: str, *extra_args: str) -> NodeAgentProcess:
+        agents.append(NodeAgentProcess(control_plane, node_name, os.path.dirname(sys.executable), extra_args))
+        return agents[-1]
+
+    yield start
+    for agent in agents:
         agent.stop()
 
 

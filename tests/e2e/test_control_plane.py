@@ -250,6 +250,94 @@ def test_in_cluster_client_is_bound_by_rbac(control_plane: Any, node_agent: Any,
     assert json.loads(terminated["message"]) == {"pods": ["incluster"], "secrets": 403}
 
 
+def test_node_is_registered_ready_with_lease(control_plane: Any, node_agent: Any) -> None:
+    node = control_plane.get_json(f"/api/v1/nodes/{node_agent.node_name}")
+    ready = next(c for c in node["status"]["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True"
+    assert node["status"]["allocatable"]["pods"] == "110"
+    lease = control_plane.get_json(
+        f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{node_agent.node_name}"
+    )
+    assert lease["spec"]["holderIdentity"] == node_agent.node_name
+
+
+def test_init_container_and_empty_dir(control_plane: Any, node_agent: Any, namespace: str) -> None:
+    init = {
+        "name": "init",
+        "image": "ignored",
+        "command": [sys.executable, "-c", "open('/scratch/f', 'w').write('from-init')"],
+        "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}],
+    }
+    code = "import sys; sys.stdout.write(open('/scratch/f').read())"
+    pod = python_pod(
+        "init",
+        namespace,
+        code,
+        restartPolicy="Never",
+        initContainers=[init],
+        volumes=[{"name": "scratch", "emptyDir": {}}],
+        container={"volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
+    )
+    apply(control_plane, pod)
+    done = pod_phase(control_plane, namespace, "init", ("Succeeded", "Failed"))
+    assert done["status"]["phase"] == "Succeeded", node_agent.logs(namespace, "init")
+    assert done["status"]["initContainerStatuses"][0]["state"]["terminated"]["exitCode"] == 0
+    assert node_agent.logs(namespace, "init", "main") == "from-init"
+
+
+def test_restart_policy_always_restarts_crashing_container(
+    control_plane: Any, node_agent: Any, namespace: str
+) -> None:
+    apply(control_plane, python_pod("crasher", namespace, "import sys; sys.exit(1)"))
+
+    def restarted_twice() -> Any:
+        pod = get(control_plane, f"/api/v1/namespaces/{namespace}/pods/crasher")
+        statuses = (pod or {}).get("status", {}).get("containerStatuses") or [{}]
+        return pod if statuses[0].get("restartCount", 0) >= 2 else None
+
+    pod = wait_for("two restarts", restarted_twice, timeout=30)
+    assert pod["status"]["phase"] == "Running"
+    assert pod["status"]["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 1
+
+
+def test_kubeconfig_fallback_without_mount_namespace(
+    control_plane: Any, start_node_agent: Any, namespace: str
+) -> None:
+    """With --no-mount-ns the pod gets KUBECONFIG (its own token) and WEIGHTSYNC_VOLUMES."""
+    agent = start_node_agent("node-fallback", "--no-mount-ns")
+    assert "KUBECONFIG fallback" in agent.agent_log()
+    code = textwrap.dedent("""\
+        import json, os
+        from kubernetes import client, config
+        config.load_kube_config()
+        review = client.AuthenticationV1Api().create_self_subject_review(
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+        greeting = open(os.environ["WEIGHTSYNC_VOLUMES"] + "/cfg/greeting").read()
+        print(json.dumps({"user": review.status.user_info.username, "greeting": greeting}))
+        """)
+    cm = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "cfg", "namespace": namespace},
+        "data": {"greeting": "hi"},
+    }
+    pod = python_pod(
+        "fallback",
+        namespace,
+        code,
+        restartPolicy="Never",
+        nodeName="node-fallback",
+        volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}],
+        container={"volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}]},
+    )
+    apply(control_plane, cm)
+    apply(control_plane, pod)
+    done = pod_phase(control_plane, namespace, "fallback", ("Succeeded", "Failed"))
+    log = agent.logs(namespace, "fallback")
+    assert done["status"]["phase"] == "Succeeded", log
+    assert json.loads(log) == {"user": f"system:serviceaccount:{namespace}:default", "greeting": "hi"}
+
+
 def test_failing_pod_reports_exit_code(control_plane: Any, node_agent: Any, namespace: str) -> None:
     code = "import sys; print('boom'); sys.exit(3)"
     pod = python_pod(
