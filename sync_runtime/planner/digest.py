@@ -1,0 +1,72 @@
+"""The plan digest: sha256 over a canonical encoding of the planner's inputs and its schedule.
+
+Stable across processes and machines: only JSON of strings and integers and fixed-width integer
+arrays are hashed (never Python's randomised `hash()`). The schedule fingerprint (per bucket:
+round, ranks, bytes, transfer count) makes two participants that somehow planned differently
+disagree even when their inputs look the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+
+import numpy as np
+
+from sync_runtime.manifest import Manifest
+from sync_runtime.planner.config import PlannerConfig, SideSpec
+
+PLANNER_VERSION = "1"
+"""Bump when the planner's output for the same inputs changes."""
+
+
+def _side(side: SideSpec) -> dict:
+    coords = [
+        [
+            c.role.value,
+            c.replica,
+            c.tp_rank,
+            c.pp_rank,
+            c.dp_rank,
+            c.ep_rank,
+            c.etp_rank,
+            c.edp_rank,
+            c.node,
+            c.device,
+        ]
+        for c in side.coords
+    ]
+    spec = dataclasses.asdict(side.spec)
+    spec["layer_counts"] = None if side.spec.layer_counts is None else list(side.spec.layer_counts)
+    return {"layout": side.layout, "spec": spec, "coords": coords}
+
+
+def inputs_encoding(manifest: Manifest, sides: Sequence[SideSpec], config: PlannerConfig) -> bytes:
+    doc = {
+        "planner": PLANNER_VERSION,
+        "family": manifest.family,
+        "tensors": [[t.name, list(t.shape), t.dtype] for t in manifest.tensors],
+        "sides": [_side(s) for s in sides],
+        "config": {
+            "bucket_bytes": config.bucket_bytes,
+            "staging_budget_bytes": config.staging_budget_bytes,
+            "max_fan_in": config.max_fan_in,
+            "relay": config.relay,
+            "cost": [
+                repr(config.cost.nic_bytes_per_s),
+                repr(config.cost.intra_node_bytes_per_s),
+                repr(config.cost.latency_s),
+            ],
+        },
+    }
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def plan_digest(inputs: bytes, schedule: np.ndarray) -> str:
+    """sha256 of the input encoding and the schedule fingerprint (an int64 array)."""
+    h = hashlib.sha256()
+    h.update(inputs)
+    h.update(np.ascontiguousarray(schedule, dtype="<i8").tobytes())
+    return h.hexdigest()

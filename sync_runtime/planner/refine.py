@@ -1,0 +1,118 @@
+"""Box geometry: intersections, the common refinement of source copies, and row splitting.
+
+Boxes follow `layouts.base`: tuples of half-open (start, stop) ranges, one per dim. A local box is
+its canonical box with extra leading dims of extent 1, so a canonical sub-box maps to the local
+tensor by shifting its trailing dims (`to_local`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sync_runtime.layouts.base import Box, Piece, box_numel
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes of the same rank, or None when empty."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def to_local(sub: Box, canon: Box, local: Box) -> Box:
+    """Where canonical sub-box `sub` of a piece (`canon` -> `local`) sits in the local tensor."""
+    lead = len(local) - len(canon)
+    if sub == canon:
+        return local
+    return local[:lead] + tuple(
+        (l0 + s0 - c0, l0 + s1 - c0)
+        for (s0, s1), (c0, _), (l0, _) in zip(sub, canon, local[lead:], strict=True)
+    )
+
+
+def split_rows(box: Box, itemsize: int, max_bytes: int) -> list[Box]:
+    """Split `box` into contiguous row ranges of at most `max_bytes` each.
+
+    Splits along the first dim with extent > 1; when even a single row of that dim is too large,
+    each row is split along the next dim (recursively), so every piece stays a box.
+    """
+    nbytes = box_numel(box) * itemsize
+    if nbytes <= max_bytes:
+        return [box]
+    dim = next(d for d, (lo, hi) in enumerate(box) if hi - lo > 1)
+    lo, hi = box[dim]
+    row_bytes = nbytes // (hi - lo)
+    if row_bytes <= max_bytes:
+        step = max_bytes // row_bytes
+        return [(*box[:dim], (s, min(s + step, hi)), *box[dim + 1 :]) for s in range(lo, hi, step)]
+    out: list[Box] = []
+    for s in range(lo, hi):
+        out.extend(split_rows((*box[:dim], (s, s + 1), *box[dim + 1 :]), itemsize, max_bytes))
+    return out
+
+
+@dataclass(slots=True)
+class SourceCell:
+    """A canonical region all of whose `holders` store identical bytes: alternative senders."""
+
+    box: Box
+    holders: list[tuple[int, Piece]]
+    """(global source rank, the piece that stores this region on it), in rank order."""
+    ranks: tuple[int, ...] = field(default=())
+    """The holders' ranks (filled by `build_cells`; read in the planner's hot loops)."""
+
+
+def _overlap_free(boxes: Sequence[Box]) -> bool:
+    order = sorted(range(len(boxes)), key=lambda i: boxes[i][0])
+    for n, i in enumerate(order):
+        stop0 = boxes[i][0][1]
+        for j in order[n + 1 :]:
+            if boxes[j][0][0] >= stop0:
+                break  # sorted by first-dim start: nothing further can overlap box i
+            if intersect(boxes[i], boxes[j]) is not None:
+                return False
+    return True
+
+
+def refine(cells: list[SourceCell]) -> list[SourceCell]:
+    """Make the cells of one tensor pairwise disjoint (the common refinement of their boxes).
+
+    Identical boxes were merged already; partially overlapping ones (not produced by the
+    shipped layouts, but legal) are cut along every box edge into grid cells, each held by
+    every piece that contains it.
+    """
+    if len(cells) < 2 or _overlap_free([c.box for c in cells]):
+        return cells
+    ndim = len(cells[0].box)
+    edges = [sorted({e for c in cells for e in c.box[d]}) for d in range(ndim)]
+    grid: list[Box] = [()]
+    for d in range(ndim):
+        grid = [(*g, (a, b)) for g in grid for a, b in zip(edges[d], edges[d][1:], strict=False)]
+    out: list[SourceCell] = []
+    for g in grid:
+        holders = [h for c in cells if intersect(c.box, g) == g for h in c.holders]
+        if holders:
+            out.append(SourceCell(g, sorted(holders, key=lambda h: h[0])))
+    return out
+
+
+def build_cells(pieces: Iterable[tuple[int, Piece]]) -> dict[str, list[SourceCell]]:
+    """Per canonical tensor, its disjoint source cells with their alternative holders."""
+    by_tensor: dict[str, dict[Box, SourceCell]] = {}
+    for rank, piece in pieces:
+        cells = by_tensor.setdefault(piece.tensor, {})
+        cell = cells.get(piece.canon_box)
+        if cell is None:
+            cells[piece.canon_box] = SourceCell(piece.canon_box, [(rank, piece)])
+        else:
+            cell.holders.append((rank, piece))
+    out = {name: refine(list(cells.values())) for name, cells in by_tensor.items()}
+    for cells in out.values():
+        for cell in cells:
+            cell.ranks = tuple(rank for rank, _ in cell.holders)
+    return out

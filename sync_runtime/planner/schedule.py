@@ -1,0 +1,150 @@
+"""Transfers, buckets and rounds.
+
+Buckets: the transfers of one (src, dst) pair, in plan order, packed greedily up to the bucket size.
+
+Rounds: a greedy edge colouring of the bipartite (sender, receiver) multigraph whose edges are
+buckets, under per-round capacities (each rank sends at most `cap` and receives at most `cap`
+bytes, and receives from at most `max_fan_in` distinct senders). Each round is filled receiver
+by receiver, most remaining bytes first, so the ranks that bound the plan's length are served
+every round; a receiver takes from the pair whose sender has the most bytes left (the critical
+sender), then the next, until its capacity or fan-in is used.
+
+Relay: a relayed destination rank receives, from the same position of an earlier replica (its
+forwarder), a copy of every bucket the forwarder receives, in the round after the forwarder got
+it. Those copies are created while scheduling and queued on the (forwarder, receiver) pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sync_runtime.plan import Bucket, Transfer
+
+
+@dataclass(slots=True)
+class PairQueue:
+    """The buckets of one (src, dst) pair still to be scheduled."""
+
+    src: int
+    dst: int
+    buckets: list[Bucket]
+    remaining: int
+    """Bytes not yet scheduled, including relay copies not yet created."""
+    total: int
+    """Buckets this pair will carry in all (relay copies are created as their originals go)."""
+    ready: list[int] = field(default_factory=list)
+    """Per bucket (relay pairs only), the first round it may go in."""
+    pos: int = 0
+
+
+def pack_buckets(src: int, dst: int, transfers: Sequence[Transfer], bucket_bytes: int) -> list[Bucket]:
+    """Pack one pair's transfers, in order, into buckets of at most `bucket_bytes`."""
+    out: list[Bucket] = []
+    current: list[Transfer] = []
+    size = 0
+    for t in transfers:
+        if current and size + t.nbytes > bucket_bytes:
+            out.append(Bucket(src, dst, tuple(current), size))
+            current, size = [], 0
+        current.append(t)
+        size += t.nbytes
+    if current:
+        out.append(Bucket(src, dst, tuple(current), size))
+    return out
+
+
+def direct_queue(src: int, dst: int, buckets: list[Bucket]) -> PairQueue:
+    return PairQueue(src, dst, buckets, sum(b.nbytes for b in buckets), len(buckets))
+
+
+def _relay_copy(bucket: Bucket, forwarder: int, receiver: int) -> Bucket:
+    """The forwarder re-sends what it received, from where it stored it."""
+    transfers = tuple(
+        Transfer(forwarder, receiver, t.tensor, t.dst_name, t.dst_box, t.dst_name, t.dst_box, t.nbytes)
+        for t in bucket.transfers
+    )
+    return Bucket(forwarder, receiver, transfers, bucket.nbytes)
+
+
+class _Relays:
+    """Relay pair queues, keyed by forwarder, filled as the forwarder's buckets are scheduled."""
+
+    def __init__(self, queues: Mapping[int, Sequence[PairQueue]]):
+        self.by_forwarder = queues
+
+    def scheduled(self, bucket: Bucket, index: int) -> None:
+        for q in self.by_forwarder.get(bucket.dst_rank, ()):
+            q.buckets.append(_relay_copy(bucket, q.src, q.dst))
+            q.ready.append(index + 1)
+
+
+def schedule_rounds(
+    queues: Iterable[PairQueue], n_ranks: int, cap: int, max_fan_in: int, relays: Sequence[PairQueue] = ()
+) -> list[list[Bucket]]:
+    """Assign every bucket to a round (see the module docstring). Buckets must each be <= cap."""
+    send_left = [0] * n_ranks
+    recv_left = [0] * n_ranks
+    by_dst: dict[int, list[PairQueue]] = {}
+    for q in [*queues, *relays]:
+        if q.total == 0:
+            continue
+        by_dst.setdefault(q.dst, []).append(q)
+        send_left[q.src] += q.remaining
+        recv_left[q.dst] += q.remaining
+    forwarders: dict[int, list[PairQueue]] = {}
+    for q in relays:
+        forwarders.setdefault(q.src, []).append(q)
+    relay = _Relays(forwarders)
+    rounds: list[list[Bucket]] = []
+    while by_dst:
+        index = len(rounds)
+        current: list[Bucket] = []
+        send_used: dict[int, int] = {}
+        for dst in sorted(by_dst, key=lambda d: (-recv_left[d], d)):
+            pending = by_dst[dst]
+            pending.sort(key=lambda q: (-send_left[q.src], -q.remaining, q.src))
+            recv_left[dst] -= _fill_receiver(pending, index, cap, max_fan_in, send_used, current)
+            pending[:] = [q for q in pending if q.pos < q.total]
+            if not pending:
+                del by_dst[dst]
+        assert current, "no bucket could be scheduled: relay dependencies cannot be met"
+        for b in current:
+            send_left[b.src_rank] -= b.nbytes
+            if forwarders:
+                relay.scheduled(b, index)
+        rounds.append(current)
+    return rounds
+
+
+def _fill_receiver(
+    pending: list[PairQueue],
+    index: int,
+    cap: int,
+    max_fan_in: int,
+    send_used: dict[int, int],
+    out: list[Bucket],
+) -> int:
+    """Give one receiver as many buckets as fit this round; returns the bytes it receives."""
+    used = 0
+    fan = 0
+    for q in pending:
+        if fan == max_fan_in or used == cap:
+            break
+        sent = send_used.get(q.src, 0)
+        took = False
+        buckets, ready = q.buckets, q.ready
+        while q.pos < len(buckets):
+            b = buckets[q.pos]
+            if used + b.nbytes > cap or sent + b.nbytes > cap or (ready and ready[q.pos] > index):
+                break
+            out.append(b)
+            used += b.nbytes
+            sent += b.nbytes
+            q.remaining -= b.nbytes
+            q.pos += 1
+            took = True
+        if took:
+            fan += 1
+            send_used[q.src] = sent
+    return used

@@ -1,0 +1,47 @@
+"""Summary figures of a plan (`SyncPlan.stats`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sync_runtime.cost import BucketArrays, LinkCost, floor_seconds_arrays, predict_seconds_arrays
+from sync_runtime.plan import SyncPlan
+
+
+def _max_mean(per_rank: np.ndarray) -> tuple[int, float]:
+    active = per_rank[per_rank > 0]
+    return (int(active.max()), float(active.mean())) if len(active) else (0, 0.0)
+
+
+def plan_stats(plan: SyncPlan, schedule: np.ndarray, tensors: int, lower_bound: int, cost: LinkCost) -> dict:
+    """Stats from the schedule fingerprint (per bucket: round, src, dst, bytes, transfers).
+
+    Means are over the ranks that send (resp. receive) anything, so idle ranks do not flatter
+    the balance figures.
+    """
+    n = len(plan.ranks)
+    node_index: dict[str, int] = {}
+    node = np.array([node_index.setdefault(c.node, len(node_index)) for c in plan.ranks], dtype=np.int64)
+    rnd, src, dst, nbytes = schedule[:, 0], schedule[:, 1], schedule[:, 2], schedule[:, 3]
+    arrays = BucketArrays(rnd, src, dst, nbytes, node[src] == node[dst], n, len(plan.rounds))
+    send = np.bincount(src, weights=nbytes, minlength=n).astype(np.int64)
+    recv = np.bincount(dst, weights=nbytes, minlength=n).astype(np.int64)
+    max_send, mean_send = _max_mean(send)
+    max_recv, mean_recv = _max_mean(recv)
+    return {
+        "tensors": tensors,
+        "transfers": int(schedule[:, 4].sum()),
+        "buckets": len(schedule),
+        "rounds": len(plan.rounds),
+        "wire_bytes": int(nbytes.sum()),
+        "lower_bound_bytes": lower_bound,
+        "send_bytes": {r: int(send[r]) for r in range(n)},
+        "recv_bytes": {r: int(recv[r]) for r in range(n)},
+        "max_send_bytes": max_send,
+        "mean_send_bytes": mean_send,
+        "max_recv_bytes": max_recv,
+        "mean_recv_bytes": mean_recv,
+        "predicted_seconds": predict_seconds_arrays(arrays, cost),
+        "floor_seconds": floor_seconds_arrays(arrays, cost),
+        "relay": plan.relay,
+    }
