@@ -399,6 +399,7 @@ def test_deployment_runs_and_gc_cleans_up(control_plane: Any, node_agent: Any, n
     template = python_pod("x", ns, "import time; print('up', flush=True); time.sleep(3600)")
     template["metadata"] = {"labels": {"app": "sleeper"}}
     template["spec"]["terminationGracePeriodSeconds"] = 1
+    template["spec"]["containers"][0]["resources"] = {"requests": {"cpu": "100m", "memory": "64Mi"}}
     deploy = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

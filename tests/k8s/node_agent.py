@@ -443,12 +443,13 @@ class PodRunner(threading.Thread):
 
     def _kill_all(self) -> None:
         grace = min(self.pod["spec"].get("terminationGracePeriodSeconds", 30), 3)
-        for p in self.procs.values():
+        procs = list(self.procs.values())
+        for p in procs:
             _signal(p, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.1)
-        for p in self.procs.values():
+        for p in procs:
             _signal(p, signal.SIGKILL)
             p.wait()
 
@@ -485,7 +486,6 @@ class PodRunner(threading.Thread):
             "podIP": "127.0.0.1",
             "podIPs": [{"ip": "127.0.0.1"}],
             "startTime": self.start_time,
-            "qosClass": "BestEffort",
             "conditions": [
                 cond("PodScheduled", True),
                 cond("Initialized", self.initialized),
@@ -495,9 +495,11 @@ class PodRunner(threading.Thread):
             "containerStatuses": ctrs,
             "initContainerStatuses": list(self.init_statuses.values()),
         }
-        self._ignore_404(
-            "PATCH", f"/api/v1/namespaces/{self.ns}/pods/{self.name}/status", {"status": status}, merge=True
-        )
+        path = f"/api/v1/namespaces/{self.ns}/pods/{self.name}/status"
+        try:  # a failed update is retried with the next change; never kill the runner for it
+            self._ignore_404("PATCH", path, {"status": status}, merge=True)
+        except Exception as e:
+            print(f"node-agent: status of {self.ns}/{self.name}: {e!r}", flush=True)
 
     def _ignore_404(self, method: str, path: str, body: Obj, merge: bool = False) -> None:
         try:
@@ -557,7 +559,7 @@ class NodeAgent:
 
     def shutdown(self) -> None:
         self.stopping.set()
-        for r in self.runners.values():
+        for r in list(self.runners.values()):
             r._kill_all()
 
     def _on_event(self, kind: str, pod: Obj) -> None:
