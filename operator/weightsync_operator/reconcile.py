@@ -1,0 +1,105 @@
+"""One reconcile of one WeightSync: parse -> decide (pure) -> act on the pod -> the status patch.
+
+Called from every kopf trigger (watch events of the CR, the periodic timer); level-triggered,
+so a missed or repeated trigger does no harm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from pydantic import ValidationError
+
+from sync_runtime.crd import WeightSyncSpec, WeightSyncStatus, spec_problems
+from sync_runtime.report import SyncResult
+from weightsync_operator.config import OperatorConfig
+from weightsync_operator.pod import PodState, render_runtime_pod, topology_hash
+from weightsync_operator.retry import PodAction, PodDecision, plan_pod
+from weightsync_operator.status import SyncEvent, derive_status, parse_report, status_patch
+
+log = logging.getLogger("weightsync.operator")
+
+
+class PodApi(Protocol):
+    """The two pod writes the operator makes; both idempotent (404/409 are not errors)."""
+
+    def create_pod(self, namespace: str, body: dict[str, Any]) -> None: ...
+
+    def delete_pod(self, namespace: str, name: str, uid: str | None) -> None: ...
+
+
+@dataclass(slots=True)
+class ReconcileResult:
+    status_patch: dict[str, Any] | None
+    events: list[SyncEvent] = field(default_factory=list)
+    decision: PodDecision | None = None
+
+
+def parse_spec(body: Mapping[str, Any]) -> tuple[WeightSyncSpec | None, str | None]:
+    try:
+        spec = WeightSyncSpec.model_validate(body.get("spec") or {})
+    except ValidationError as e:
+        return None, f"spec cannot be parsed: {e.errors()[0].get('loc')}: {e.errors()[0].get('msg')}"
+    problems = spec_problems(spec)
+    return (None, "; ".join(problems)) if problems else (spec, None)
+
+
+def _succeeded_since_failure(prior: WeightSyncStatus) -> bool:
+    """A sync succeeded after the last runtime failure: the retry budget starts over."""
+    report = parse_report(prior.runtime)
+    failed_at = prior.restarts.last_failure_time
+    return (
+        report is not None
+        and failed_at is not None
+        and report.result is SyncResult.SUCCEEDED
+        and report.finished_at > failed_at
+    )
+
+
+def reconcile(
+    body: Mapping[str, Any], pod: PodState, api: PodApi, config: OperatorConfig, now: datetime
+) -> ReconcileResult:
+    meta = body.get("metadata") or {}
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
+    prior = WeightSyncStatus.model_validate(body.get("status") or {})
+    spec, spec_error = parse_spec(body)
+    desired_hash = topology_hash(spec) if spec is not None else None
+    if spec is None or desired_hash is None:
+        decision = PodDecision(PodAction.NONE, prior.restarts)
+    else:
+        reset = generation != prior.observed_generation or _succeeded_since_failure(prior)
+        decision = plan_pod(desired_hash, pod, prior.restarts, spec.retry, reset=reset, now=now)
+        _apply(
+            decision,
+            pod,
+            api,
+            namespace,
+            lambda: render_runtime_pod(name, namespace, meta["uid"], spec, config.runtime),
+        )
+    status, events = derive_status(
+        spec,
+        generation,
+        pod,
+        prior.runtime,
+        prior,
+        now,
+        decision=decision,
+        spec_error=spec_error,
+        desired_hash=desired_hash,
+        ws_name=name,
+    )
+    return ReconcileResult(status_patch(status, body.get("status")), events, decision)
+
+
+def _apply(decision: PodDecision, pod: PodState, api: PodApi, namespace: str, render: Any) -> None:
+    if decision.action in (PodAction.DELETE, PodAction.REPLACE) and pod.name:
+        log.info("deleting runtime pod %s/%s (%s)", namespace, pod.name, decision.action.value)
+        api.delete_pod(namespace, pod.name, pod.uid)
+    if decision.action in (PodAction.CREATE, PodAction.REPLACE):
+        body = render()
+        log.info("creating runtime pod %s/%s", namespace, body["metadata"]["name"])
+        api.create_pod(namespace, body)
