@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import logging
 import os
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,10 +36,8 @@ from sync_runtime.report import (
     SyncStep,
 )
 from sync_runtime.runtime_ops import (
-    RayFailure,
     StepFailed,
     call_all,
-    connect_ray,
     discover_all,
     drive_transfer,
     transfer_config,
@@ -375,110 +372,19 @@ def _plan_bytes(plan: SyncPlan) -> int:
     return sum(b.nbytes for r in plan.rounds for b in r.buckets)
 
 
-# ---- reporters and the CLI ---------------------------------------------------------------
-
-
-class JsonReporter:
-    """Progress as JSON lines on stderr; the final report to a file or stdout."""
-
-    def __init__(self, report_path: str | None, quiet: bool = False) -> None:
-        self.report_path = report_path
-        self.quiet = quiet
-        self.reports: list[SyncReport] = []
-
-    def progress(self, event: ProgressEvent) -> None:
-        if not self.quiet:
-            print(event.model_dump_json(by_alias=True), file=sys.stderr, flush=True)
-
-    def finished(self, report: SyncReport) -> None:
-        self.reports.append(report)
-        text = report.model_dump_json(by_alias=True, indent=2)
-        if self.report_path:
-            with open(self.report_path, "w") as f:
-                f.write(text + "\n")
-        else:
-            print(text, flush=True)
+# ---- `weightsync run` (implemented in runtime_cli, imported lazily: it imports this module) ----
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a WeightSync manifest (YAML/JSON, the CR's schema): one-shot sync")
-    parser.add_argument("--kubernetes", action="store_true", help="long-lived: watch the WeightSync CR")
-    parser.add_argument("--namespace", default=os.environ.get("WEIGHTSYNC_NAMESPACE"), help="CR namespace")
-    parser.add_argument("--name", default=os.environ.get("WEIGHTSYNC_NAME"), help="CR name")
-    parser.add_argument("--report", help="write the report JSON here (default: stdout)")
-    parser.add_argument(
-        "--advertise-host",
-        default=None,
-        help="address participants use to reach this process (default: $POD_IP, else the Ray node IP)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    from sync_runtime.runtime_cli import add_arguments as _add
 
-
-def load_spec_file(path: str) -> WeightSyncSpec:
-    """A WeightSync manifest file: a full CR (`spec:` inside) or just the spec."""
-    import yaml
-
-    with open(path) as f:
-        doc = yaml.safe_load(f)
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected a mapping, got {type(doc).__name__}")
-    return WeightSyncSpec.model_validate(doc.get("spec", doc))
+    _add(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if args.kubernetes:
-        if not (args.namespace and args.name):
-            print("weightsync run --kubernetes needs --namespace and --name", file=sys.stderr)
-            return 2
-        return serve_kubernetes(args.namespace, args.name, args.advertise_host)
-    if not args.config:
-        print("weightsync run needs --config FILE or --kubernetes", file=sys.stderr)
-        return 2
-    try:
-        spec = load_spec_file(args.config)
-        connect_ray(spec, args.namespace)
-    except (OSError, ValueError, RayFailure) as e:
-        print(f"weightsync run: {e}", file=sys.stderr)
-        return 1
-    reporter = JsonReporter(args.report, quiet=args.quiet)
-    coordinator = Coordinator(spec, reporter, advertise_host=args.advertise_host)
-    try:
-        report = coordinator.sync(spec.version)
-    finally:
-        coordinator.close()
-    return 0 if report.result is SyncResult.SUCCEEDED else 1
+    from sync_runtime.runtime_cli import run as _run
+
+    return _run(args)
 
 
-def serve_kubernetes(namespace: str, name: str, advertise_host: str | None) -> int:
-    """The runtime pod's loop: one sync per new desired version, reported through the CR status."""
-    from sync_runtime.k8s import KubernetesReporter, watch_desired
-
-    reporter = KubernetesReporter(namespace, name)
-    coordinator: Coordinator | None = None
-    address: str | None = None
-    try:
-        for spec in watch_desired(namespace, name):
-            cluster = connect_ray(spec, namespace)
-            if coordinator is None or cluster != address:
-                if coordinator is not None:
-                    coordinator.close()
-                coordinator, address = Coordinator(spec, reporter, advertise_host=advertise_host), cluster
-            coordinator.update_spec(spec)
-            report = coordinator.sync(spec.version, skip_if_current=True)
-            log.info("sync %s: %s", report.version, report.result.value)
-    finally:
-        if coordinator is not None:
-            coordinator.close()
-    return 0
-
-
-__all__ = [
-    "Coordinator",
-    "DiscoveryError",
-    "JsonReporter",
-    "Session",
-    "TopologyMismatchError",
-    "add_arguments",
-    "run",
-]
+__all__ = ["Coordinator", "DiscoveryError", "Session", "TopologyMismatchError", "add_arguments", "run"]

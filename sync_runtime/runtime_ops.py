@@ -35,9 +35,13 @@ from sync_runtime.transfer import RankResult, SyncGroup, TransferConfig
 if TYPE_CHECKING:
     from sync_runtime.coordinator import Session
 
-DEADLINE_MARGIN_S = 10.0
-"""Slack on top of the transfer timeout before the coordinator stops waiting for a rank:
-the engine's own per-step timeouts fire first and produce the better message."""
+
+def deadline_margin(timeout_s: float) -> float:
+    """Slack on top of the transfer timeout before the coordinator stops waiting for a rank:
+    the engine's own per-step timeouts fire first and produce the better message."""
+    return min(30.0, max(2.0, 0.25 * timeout_s))
+
+
 POLL_S = 0.2
 
 
@@ -226,7 +230,8 @@ def drive_transfer(
         cfg = transfer_config(transport, p, backend)
         refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg)] = rank
     session.syncs += 1  # the engine numbers syncs per group from 1; keeps the coordinator in step
-    deadline = time.monotonic() + transport.transfer_timeout_seconds + DEADLINE_MARGIN_S
+    margin = deadline_margin(transport.transfer_timeout_seconds)
+    deadline = time.monotonic() + transport.transfer_timeout_seconds + margin
     results: dict[int, RankResult] = {}
     failures: list[tuple[int, SyncFailure]] = []
     pending = list(refs)
@@ -249,9 +254,9 @@ def drive_transfer(
             rank=rank,
             step=SyncStep.TRANSFER,
             message=f"rank {rank} ({ps[rank].name}) did not finish within "
-            f"{transport.transfer_timeout_seconds}s (+{DEADLINE_MARGIN_S:g}s margin)",
+            f"{transport.transfer_timeout_seconds}s (+{margin:g}s margin)",
         )
-        failures.append((2, hung))
+        failures.append((2, hung))  # hung while the others gave up on it: the likely root cause
         mark_failed(store, session, session.syncs, hung, transport.transfer_timeout_seconds)
     if failures:
         raise StepFailed(min(failures, key=lambda f: f[0])[1])
@@ -300,7 +305,7 @@ def _reason(result: RankResult, p: Participant) -> str:
 
 def _priority(failure: SyncFailure) -> int:
     """Root cause first: a death or a rank's own error explains the peers' aborts and timeouts."""
-    return {"ParticipantDied": 0, "TransferTimeout": 2, "PeerFailed": 3}.get(failure.reason, 1)
+    return {"ParticipantDied": 0, "TransferTimeout": 3, "PeerFailed": 4}.get(failure.reason, 1)
 
 
 def _step(step: str | None) -> SyncStep:
