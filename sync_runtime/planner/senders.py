@@ -1,16 +1,34 @@
 """Choosing one sender among identical source copies (DP/EDP replicas, tied embedding copies).
 
-Greedy least-loaded over the items largest first (LPT), starting from the loads the items with a
-single holder force. A holder on the receiver's node is preferred when its load is at most one
-item above the least-loaded holder: intra-node links are ~10x faster and spare the NIC, while the
-balance stays within one item of the greedy optimum.
+Greedy least-loaded over the items largest first (LPT), starting from the loads the needs with a
+single holder force. An item is normally everything one destination rank needs from one holder
+set (e.g. all its dense bytes of one TP rank's four DP copies): few items, and few sender peers
+per receiver, hence few and full buckets. When a holder set serves too few receivers to balance
+that way (fewer than `2 * len(holders)`), its needs are items of their own.
+
+A holder on the receiver's node is preferred when its load is at most one item above the least
+loaded holder: intra-node links are ~10x faster and spare the NIC, while the balance stays within
+one item of the greedy's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from sync_runtime.planner.needs import Need
+
+COARSE_FACTOR = 2
+"""A holder set with at least this many receivers per holder is balanced per receiver."""
+
+
+@dataclass(slots=True)
+class _Split:
+    """A needs list split once: forced loads, and the needs with a choice grouped by holder set."""
+
+    forced: dict[int, int]
+    groups: dict[tuple[int, ...], list[int]]
+    group_bytes: dict[tuple[int, ...], int]
 
 
 class SenderChooser:
@@ -20,23 +38,20 @@ class SenderChooser:
         index: dict[str, int] = {}
         self._node_ids = [index.setdefault(n, len(index)) for n in nodes]
         self._near: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
+        self._splits: dict[int, _Split] = {}
         self.loads = [0] * len(nodes)
-        self._split: dict[int, tuple[dict[int, int], list[int]]] = {}
 
-    def _presplit(self, needs: list[Need]) -> tuple[dict[int, int], list[int]]:
-        """Forced per-rank load and the indices of needs with a choice (once per needs list)."""
-        key = id(needs)
-        split = self._split.get(key)
+    def _split(self, needs: list[Need]) -> _Split:
+        split = self._splits.get(id(needs))
         if split is None:
-            forced: dict[int, int] = {}
-            multi: list[int] = []
+            split = self._splits[id(needs)] = _Split({}, {}, {})
             for i, need in enumerate(needs):
                 ranks = need.cell.ranks
                 if len(ranks) == 1:
-                    forced[ranks[0]] = forced.get(ranks[0], 0) + need.nbytes
+                    split.forced[ranks[0]] = split.forced.get(ranks[0], 0) + need.nbytes
                 else:
-                    multi.append(i)
-            split = self._split[key] = (forced, multi)
+                    split.groups.setdefault(ranks, []).append(i)
+                    split.group_bytes[ranks] = split.group_bytes.get(ranks, 0) + need.nbytes
         return split
 
     def choose(self, instances: Sequence[tuple[int, list[Need]]]) -> list[list[int]]:
@@ -44,32 +59,45 @@ class SenderChooser:
 
         The needs lists must stay alive while this runs (they are keyed by identity).
         """
-        loads = self.loads
+        splits = [self._split(needs) for _, needs in instances]
+        receivers: dict[tuple[int, ...], int] = {}
+        for split in splits:
+            for ranks in split.groups:
+                receivers[ranks] = receivers.get(ranks, 0) + 1
         choices: list[list[int]] = []
-        items: list[tuple[int, int, int]] = []
-        for inst, (_, needs) in enumerate(instances):
-            forced, multi = self._presplit(needs)
-            for rank, nbytes in forced.items():
-                loads[rank] += nbytes
+        # (-bytes, instance, holder set, need index or -1 for the whole group)
+        items: list[tuple[int, int, tuple[int, ...], int]] = []
+        for inst, ((_, needs), split) in enumerate(zip(instances, splits, strict=True)):
+            for rank, nbytes in split.forced.items():
+                self.loads[rank] += nbytes
             choices.append([0] * len(needs))
-            items.extend((-needs[i].nbytes, inst, i) for i in multi)
+            for ranks, members in split.groups.items():
+                if receivers[ranks] >= COARSE_FACTOR * len(ranks):
+                    items.append((-split.group_bytes[ranks], inst, ranks, -1))
+                else:
+                    items.extend((-needs[i].nbytes, inst, ranks, i) for i in members)
         items.sort()
-        for neg_bytes, inst, i in items:
-            dst_rank, needs = instances[inst]
-            ranks = needs[i].cell.ranks
-            best, best_load = 0, loads[ranks[0]]
-            for h in range(1, len(ranks)):
-                if loads[ranks[h]] < best_load:
-                    best, best_load = h, loads[ranks[h]]
-            near = self._same_node(ranks, dst_rank)
-            if near and best not in near:
-                # A same-node holder wins if it is at most this item above the least loaded.
-                h = min(near, key=lambda h: (loads[ranks[h]], h))
-                if loads[ranks[h]] <= best_load - neg_bytes:
-                    best = h
-            loads[ranks[best]] -= neg_bytes
-            choices[inst][i] = best
+        for neg_bytes, inst, ranks, i in items:
+            best = self._pick(ranks, instances[inst][0], -neg_bytes)
+            chosen = choices[inst]
+            for j in splits[inst].groups[ranks] if i < 0 else (i,):
+                chosen[j] = best
         return choices
+
+    def _pick(self, ranks: tuple[int, ...], dst_rank: int, nbytes: int) -> int:
+        """Index of the holder to send `nbytes` to `dst_rank`; adds the load."""
+        loads = self.loads
+        best, best_load = 0, loads[ranks[0]]
+        for h in range(1, len(ranks)):
+            if loads[ranks[h]] < best_load:
+                best, best_load = h, loads[ranks[h]]
+        near = self._same_node(ranks, dst_rank)
+        if near and best not in near:
+            h = min(near, key=lambda h: (loads[ranks[h]], h))
+            if loads[ranks[h]] <= best_load + nbytes:
+                best = h
+        loads[ranks[best]] += nbytes
+        return best
 
     def _same_node(self, ranks: tuple[int, ...], dst_rank: int) -> tuple[int, ...]:
         """Indices of the holders on `dst_rank`'s node (cached per holder set and node)."""
