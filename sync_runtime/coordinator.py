@@ -251,7 +251,7 @@ class Coordinator:
             )
         except StepFailed as failure:
             att.stages.transfer = time.monotonic() - t
-            self._abort_all(session)
+            self._abort_all(session, skip=failure.unfinished)
             raise failure from None
         att.stages.transfer = time.monotonic() - t
         session.plans_sent = True
@@ -293,8 +293,16 @@ class Coordinator:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _abort_all(self, session: Session) -> None:
-        dst = [p for p in session.participants if p.meta.role is Role.DESTINATION]
+    def _abort_all(self, session: Session, skip: frozenset[int] = frozenset()) -> None:
+        """Drop staging on every destination that answers. A rank still stuck in ws_run is not
+        waited for: it never commits by itself, and the failure flag ends its run."""
+        dst = [
+            p
+            for rank, p in enumerate(session.participants)
+            if p.meta.role is Role.DESTINATION and rank not in skip
+        ]
+        for rank in skip:
+            session.participants[rank].handle.ws_abort.remote()  # runs after its ws_run returns
         call_all(
             [(p, "ws_abort", ()) for p in dst],
             timeout_s=self._rpc_timeout(),

@@ -48,9 +48,11 @@ POLL_S = 0.2
 class StepFailed(Exception):
     """A sync stage failed; carries the report's failure."""
 
-    def __init__(self, failure: SyncFailure) -> None:
+    def __init__(self, failure: SyncFailure, unfinished: frozenset[int] = frozenset()) -> None:
         super().__init__(failure.message)
         self.failure = failure
+        self.unfinished = unfinished
+        """Ranks still inside a remote call: their calls queue behind it, so nobody waits on them."""
 
 
 class RayFailure(RuntimeError):
@@ -259,7 +261,7 @@ def drive_transfer(
         failures.append((2, hung))  # hung while the others gave up on it: the likely root cause
         mark_failed(store, session, session.syncs, hung, transport.transfer_timeout_seconds)
     if failures:
-        raise StepFailed(min(failures, key=lambda f: f[0])[1])
+        raise StepFailed(min(failures, key=lambda f: f[0])[1], frozenset(refs[r] for r in pending))
     return [results[rank] for rank in range(len(ps))]
 
 

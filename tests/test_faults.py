@@ -1,0 +1,206 @@
+"""Fault tests: a source that raises, a corrupted message (checksum mismatch), a destination that
+hangs past the timeout, a destination killed mid-transfer. Each sync must fail with the right
+reason, rank and step within the configured timeout (+ margin), nothing may hang, and every
+surviving destination must keep its previous weights and version. After each failure the next
+sync reconnects (the group that saw the failure is never reused) and succeeds.
+
+One deployment serves the module; faults are armed per test through remote methods of
+subclasses that use the engine's test hooks (`sync_runtime.transfer.testing`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from sync_runtime.coordinator import Coordinator
+from sync_runtime.crd import Transport
+from sync_runtime.demo import (
+    DemoSetup,
+    create_participants,
+    destination_name,
+    kill_participants,
+    start_local_ray,
+    train_step,
+    verify_destinations,
+    weightsync_spec,
+)
+from sync_runtime.demo_weights import DemoDestination, DemoSource
+from sync_runtime.report import SyncResult, SyncStep
+from sync_runtime.topology import RankCoord, Role
+
+TIMEOUT_S = 4
+MARGIN_S = 8.0
+"""Allowed on top of the timeout: the coordinator's own margin plus Ray scheduling on 2 cores."""
+
+# Test-defined actor classes travel by value: workers cannot import this test module by name.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class FaultySource(DemoSource):
+    def ws_arm(self, fault: str | None) -> None:
+        from sync_runtime.transfer import testing
+
+        testing.reset_hooks()
+        if fault == "raise":
+
+            def boom(round_index: int) -> None:
+                raise RuntimeError(f"injected trainer failure before round {round_index}")
+
+            testing.HOOKS.before_round = boom
+        elif fault == "corrupt":
+
+            def flip(round_index, bucket, buf) -> None:
+                buf[0] ^= 0xFF  # after the checksum was taken: the receiver must catch it
+
+            testing.HOOKS.after_pack = flip
+
+
+class FaultyDestination(DemoDestination):
+    def ws_arm(self, fault: str | None, seconds: float = 0.0) -> None:
+        from sync_runtime.transfer import testing
+
+        testing.reset_hooks()
+        if fault == "sleep":
+            testing.HOOKS.before_round = lambda _round: time.sleep(seconds)
+
+    def ws_pid(self) -> int:
+        return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def deployment():
+    address = start_local_ray(num_cpus=2)
+    setup = DemoSetup.create("tiny-llama", "tp=2", "tp=1,replicas=2", namespace="t-faults", seed=3)
+    create_participants(
+        setup,
+        src_version="v1",
+        dst_version="v0",
+        source_class=lambda c: FaultySource,
+        dest_class=lambda c: FaultyDestination,
+    )
+    spec = weightsync_spec(
+        setup,
+        "v1",
+        address=address,
+        transport=Transport(transfer_timeout_seconds=TIMEOUT_S, connect_timeout_seconds=30),
+    )
+    coordinator = Coordinator(spec, _Quiet(), manifest=setup.manifest)
+    report = coordinator.sync("v1")  # a good sync first: failures below must keep v1
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+    yield setup, coordinator
+    coordinator.close()
+    kill_participants(setup)
+    ray.shutdown()
+
+
+class _Quiet:
+    def progress(self, event) -> None:
+        pass
+
+    def finished(self, report) -> None:
+        pass
+
+
+def _handles(setup: DemoSetup, role: Role):
+    prefix = setup.src_prefix + "src-" if role is Role.SOURCE else setup.dst_prefix
+    return [
+        ray.get_actor(n["name"], namespace=setup.namespace)
+        for n in sorted(ray.util.list_named_actors(all_namespaces=True), key=lambda a: a["name"])
+        if n["namespace"] == setup.namespace and n["name"].startswith(prefix)
+    ]
+
+
+def _dest_state(setup: DemoSetup, alive_only: bool = False):
+    out = {}
+    for h in _handles(setup, Role.DESTINATION):
+        try:
+            out[h] = (
+                ray.get(h.ws_version.remote(), timeout=30),
+                ray.get(h.ws_checksums.remote(), timeout=30),
+            )
+        except ray.exceptions.RayActorError:
+            if not alive_only:
+                raise
+    return out
+
+
+def _fail_and_check(setup, coordinator, version: str, *, reason: str, rank: int | None, step: SyncStep):
+    before = _dest_state(setup)
+    train_step(setup, version)
+    started = time.monotonic()
+    report = coordinator.sync(version)
+    elapsed = time.monotonic() - started
+    assert report.result is SyncResult.FAILED
+    assert report.failure is not None, report
+    assert report.failure.reason == reason, report.failure
+    assert report.failure.step is step, report.failure
+    if rank is not None:
+        assert report.failure.rank == rank, report.failure
+    assert elapsed < TIMEOUT_S + MARGIN_S, f"failure took {elapsed:.1f}s"
+    after = _dest_state(setup, alive_only=True)
+    for h, state in after.items():
+        assert state == before[h], "a surviving destination lost its previous weights or version"
+    return report
+
+
+def _recover(setup, coordinator, version: str) -> None:
+    for h in _handles(setup, Role.SOURCE) + _handles(setup, Role.DESTINATION):
+        ray.get(h.ws_arm.remote(None))
+    report = coordinator.sync(version)
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+    assert not report.plan_cached or report.stages.connect > 0  # a failed group is never reused
+    assert verify_destinations(setup, version) == []
+
+
+def test_source_raises(deployment):
+    setup, coordinator = deployment
+    ray.get(_handles(setup, Role.SOURCE)[1].ws_arm.remote("raise"))
+    report = _fail_and_check(setup, coordinator, "v2", reason="SourceError", rank=1, step=SyncStep.TRANSFER)
+    assert "injected trainer failure" in report.failure.message
+    _recover(setup, coordinator, "v2")
+
+
+def test_checksum_mismatch(deployment):
+    setup, coordinator = deployment
+    for h in _handles(setup, Role.SOURCE):
+        ray.get(h.ws_arm.remote("corrupt"))
+    report = _fail_and_check(
+        setup, coordinator, "v3", reason="ChecksumMismatch", rank=None, step=SyncStep.VERIFY
+    )
+    assert report.failure.rank in (2, 3)  # a destination rank detects it
+    assert "checksum mismatch" in report.failure.message
+    _recover(setup, coordinator, "v3")
+
+
+def test_timeout_of_a_hung_destination(deployment):
+    setup, coordinator = deployment
+    hung = _handles(setup, Role.DESTINATION)[0]
+    ray.get(hung.ws_arm.remote("sleep", TIMEOUT_S * 3))
+    report = _fail_and_check(
+        setup, coordinator, "v4", reason="TransferTimeout", rank=2, step=SyncStep.TRANSFER
+    )
+    assert destination_name(setup.dst_prefix, RankCoord(role=Role.DESTINATION)) in report.failure.message
+    _recover(setup, coordinator, "v4")
+
+
+def test_destination_killed_mid_transfer(deployment):
+    setup, coordinator = deployment
+    victim = _handles(setup, Role.DESTINATION)[1]
+    ray.get(victim.ws_arm.remote("sleep", 30.0))  # parks it inside round 0 of the next transfer
+    killer = threading.Timer(2.0, lambda: ray.kill(victim, no_restart=True))
+    killer.start()
+    try:
+        report = _fail_and_check(
+            setup, coordinator, "v5", reason="ParticipantDied", rank=3, step=SyncStep.TRANSFER
+        )
+    finally:
+        killer.join()
+    assert "died" in report.failure.message
+    survivors = _dest_state(setup, alive_only=True)
+    assert len(survivors) == 1 and next(iter(survivors.values()))[0] == "v4"
