@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -94,16 +94,20 @@ def plan_pod(
             )
         decision = retry_decision(restarts.count, restarts.last_failure_time, policy, now)
         if decision.action is RetryAction.GIVE_UP:
-            return PodDecision(PodAction.NONE, replace(restarts, next_restart_time=None), give_up=True)
+            return PodDecision(PodAction.NONE, _next(restarts, None), give_up=True)
         if decision.action is RetryAction.WAIT:
-            return PodDecision(PodAction.NONE, replace(restarts, next_restart_time=decision.at))
-        return PodDecision(PodAction.REPLACE, replace(restarts, next_restart_time=None))
+            return PodDecision(PodAction.NONE, _next(restarts, decision.at))
+        return PodDecision(PodAction.REPLACE, _next(restarts, None))
     if not pod.exists:
         if restarts.count > policy.limit:
             # Someone removed the last failed pod; stay Failed until the spec changes.
             return PodDecision(PodAction.NONE, restarts, give_up=True)
-        return PodDecision(PodAction.CREATE, replace(restarts, next_restart_time=None))
+        return PodDecision(PodAction.CREATE, _next(restarts, None))
     return PodDecision(PodAction.NONE, restarts)
+
+
+def _next(restarts: RestartStatus, at: datetime | None) -> RestartStatus:
+    return restarts.model_copy(update={"next_restart_time": at})
 
 
 def _failure_message(pod: PodState) -> str:
