@@ -347,6 +347,8 @@ class WeightSyncStatus(StatusModel):
     last_sync: LastSync | None = None
     progress: SyncProgress | None = None
     runtime_pod: str | None = None
+    destinations: str | None = None
+    """Destination names, comma-separated: the Destinations printer column."""
     topology_hash: str | None = None
     restarts: RestartStatus = RestartStatus()
     runtime: RuntimeStatus | None = None

@@ -205,7 +205,7 @@ def test_crd_identity_and_columns(crd_doc: dict) -> None:
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns == {
         "Source": ".spec.source.name",
-        "Destinations": ".spec.destinations[*].name",
+        "Destinations": ".status.destinations",
         "Desired": ".spec.version",
         "Synced": ".status.syncedVersion",
         "Phase": ".status.phase",

@@ -35,7 +35,8 @@ def offline_rejection(manifest: dict) -> list[str]:
     if errors:
         return errors
     spec = WeightSyncSpec.model_validate(apply_defaults(SCHEMA, manifest)["spec"])
-    return spec_problems(spec)
+    # spec_problems says "path: message"; the API server says "path: Invalid value: message".
+    return [p.replace(": ", ": Invalid value: ", 1) for p in spec_problems(spec)]
 
 
 def transition_rejection(old: dict, status: dict, new: dict) -> list[str]:

@@ -117,6 +117,20 @@ def test_invalid_spec_creates_nothing() -> None:
     assert degraded["reason"] == "InvalidSpec" and "stagingBudgetMb/2" in degraded["message"]
 
 
+def test_refused_pod_write_becomes_a_condition() -> None:
+    class Refusing(FakePods):
+        def create_pod(self, namespace: str, body: dict) -> None:
+            raise RuntimeError("error looking up service account ns/weightsync-runtime: not found")
+
+    result = reconcile(body(), MISSING, Refusing(), OperatorConfig(), T0)
+    conditions = {c["type"]: c for c in result.status_patch["conditions"]}
+    assert (
+        conditions["Degraded"]["status"] == "True" and conditions["Degraded"]["reason"] == "PodCreateFailed"
+    )
+    assert "service account" in conditions["Degraded"]["message"]
+    assert conditions["RuntimeReady"]["reason"] == "PodCreateFailed"
+
+
 def test_metrics_exposition() -> None:
     m = Metrics()
     m.observe_sync("Succeeded", 3.5, 1000)

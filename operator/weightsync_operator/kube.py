@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -19,6 +20,10 @@ def load_config() -> None:
         config.load_kube_config()
 
 
+class PodApiError(RuntimeError):
+    """The API server refused a pod write (e.g. a missing ServiceAccount); the message is the server's."""
+
+
 class KubePodApi:
     """PodApi over the official client. 404 on delete and 409 on create mean "already done"."""
 
@@ -30,7 +35,7 @@ class KubePodApi:
             self.core.create_namespaced_pod(namespace, body)
         except ApiException as e:
             if e.status != 409:
-                raise
+                raise PodApiError(_reason(e)) from e
             log.info("runtime pod %s/%s exists already", namespace, body["metadata"]["name"])
 
     def delete_pod(self, namespace: str, name: str, uid: str | None) -> None:
@@ -40,4 +45,11 @@ class KubePodApi:
             self.core.delete_namespaced_pod(name, namespace, body=options)
         except ApiException as e:
             if e.status not in (404, 409):
-                raise
+                raise PodApiError(_reason(e)) from e
+
+
+def _reason(e: ApiException) -> str:
+    try:
+        return str(json.loads(e.body or "{}").get("message") or e.reason)
+    except ValueError:
+        return str(e.reason)

@@ -25,7 +25,8 @@ log = logging.getLogger("weightsync.operator")
 
 
 class PodApi(Protocol):
-    """The two pod writes the operator makes; both idempotent (404/409 are not errors)."""
+    """The two pod writes the operator makes; both idempotent (404/409 are not errors). Refusals
+    raise an exception whose message is shown in the Degraded condition (reason PodCreateFailed)."""
 
     def create_pod(self, namespace: str, body: dict[str, Any]) -> None: ...
 
@@ -68,18 +69,23 @@ def reconcile(
     prior = WeightSyncStatus.model_validate(body.get("status") or {})
     spec, spec_error = parse_spec(body)
     desired_hash = topology_hash(spec) if spec is not None else None
+    pod_error: str | None = None
     if spec is None or desired_hash is None:
         decision = PodDecision(PodAction.NONE, prior.restarts)
     else:
         reset = generation != prior.observed_generation or _succeeded_since_failure(prior)
         decision = plan_pod(desired_hash, pod, prior.restarts, spec.retry, reset=reset, now=now)
-        _apply(
-            decision,
-            pod,
-            api,
-            namespace,
-            lambda: render_runtime_pod(name, namespace, meta["uid"], spec, config.runtime),
-        )
+        try:
+            _apply(
+                decision,
+                pod,
+                api,
+                namespace,
+                lambda: render_runtime_pod(name, namespace, meta["uid"], spec, config.runtime),
+            )
+        except Exception as e:  # the API's refusal goes into status instead of a crash loop of the handler
+            log.warning("runtime pod of %s/%s: %s", namespace, name, e)
+            pod_error = str(e) or type(e).__name__
     status, events = derive_status(
         spec,
         generation,
@@ -91,6 +97,7 @@ def reconcile(
         spec_error=spec_error,
         desired_hash=desired_hash,
         ws_name=name,
+        pod_error=pod_error,
     )
     return ReconcileResult(status_patch(status, body.get("status")), events, decision)
 

@@ -114,6 +114,7 @@ class _Facts:
     decision: PodDecision
     spec_error: str | None
     pod_name: str
+    pod_error: str | None = None
 
     @property
     def sync_failed(self) -> bool:
@@ -150,6 +151,8 @@ def _runtime_ready(x: _Facts) -> ConditionUpdate:
         return ConditionUpdate(c, F, "InvalidSpec", x.spec_error)
     if x.decision.give_up:
         return ConditionUpdate(c, F, "RetryLimitExceeded", x.decision.restarts.last_failure_message or "")
+    if x.pod_error:
+        return ConditionUpdate(c, F, "PodCreateFailed", x.pod_error)
     if x.decision.action in (PodAction.CREATE, PodAction.REPLACE) or not pod.exists:
         return ConditionUpdate(c, F, "PodCreating", f"creating runtime pod {x.pod_name}")
     if pod.phase is PodPhase.TERMINATING or x.decision.action is PodAction.DELETE:
@@ -218,6 +221,8 @@ def _degraded(x: _Facts) -> ConditionUpdate:
     if x.decision.give_up:
         msg = f"runtime pod failed {r.count} times (retry.limit exhausted): {r.last_failure_message or ''}"
         return ConditionUpdate(c, T, "RetryLimitExceeded", msg)
+    if x.pod_error:
+        return ConditionUpdate(c, T, "PodCreateFailed", x.pod_error)
     if x.pod.phase.ended:
         return ConditionUpdate(c, T, "RuntimePodFailed", f"failure {r.count}: {r.last_failure_message or ''}")
     if x.pod.stuck:
@@ -299,11 +304,13 @@ def derive_status(
     spec_error: str | None = None,
     desired_hash: str | None = None,
     ws_name: str = "",
+    pod_error: str | None = None,
 ) -> tuple[WeightSyncStatus, list[SyncEvent]]:
     """The operator-owned status and the events this change warrants.
 
     `spec` None (with `spec_error`) means the spec could not be used. `decision` is what the
-    reconcile did to the pod this time (a just-created pod counts as being created).
+    reconcile did to the pod this time (a just-created pod counts as being created); `pod_error`
+    is the API server's refusal of that pod write.
     """
     now = now.replace(microsecond=0)  # metav1.Time has second precision; keeps equality stable
     report = parse_report(runtime_status)
@@ -315,7 +322,17 @@ def derive_status(
     )
     live = live_runtime(runtime_status, pod_state)
     pod_name = pod_state.name or runtime_pod_name(ws_name)
-    x = _Facts(spec.version if spec else None, synced, last, live, pod_state, decision, spec_error, pod_name)
+    x = _Facts(
+        spec.version if spec else None,
+        synced,
+        last,
+        live,
+        pod_state,
+        decision,
+        spec_error,
+        pod_name,
+        pod_error,
+    )
     updates = [_runtime_ready(x), _syncing(x), _synced(x), _degraded(x)]
     progress = live.progress if x.syncing and live is not None else None
     creating = decision.action in (PodAction.CREATE, PodAction.REPLACE)
@@ -327,6 +344,7 @@ def derive_status(
         last_sync=last,
         progress=progress,
         runtime_pod=pod_name if pod_state.exists or creating else None,
+        destinations=",".join(d.name for d in spec.destinations) if spec else prior_status.destinations,
         topology_hash=desired_hash,
         restarts=decision.restarts,
         runtime=runtime_status,
