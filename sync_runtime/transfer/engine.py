@@ -1,10 +1,16 @@
 """Execute one rank's part of a plan: pack, send, receive, unpack, verify; double-buffered.
 
-Per round i the rank posts every receive and send of the round, then, while they are in flight,
-packs round i+1's send buffers; once round i completed it posts round i+1 and unpacks round i's
-receives while round i+1 is in flight. At most two rounds of buffers are alive at any time,
-which is the staging budget the planner assumes. A relay rank that forwards what it received
-packs round i+1 only after round i was unpacked (its source bytes arrive in round i).
+Rounds run in order; round i+1 is posted only after every message of round i completed (the
+planner sized rounds to the receivers' fan-in and staging budget). Inside that order the work
+overlaps at bucket granularity:
+- every receive of round i is posted first (gloo: no send can then block on a missing receive);
+- each send bucket is posted as soon as it is packed, so packing bucket k+1 overlaps sending k;
+- while round i is on the wire, round i+1's send buckets are packed, and round i's received
+  buckets are unpacked and verified as each one lands.
+At most two rounds of buffers are alive: round i's (in flight) and round i+1's packed sends,
+the staging budget the planner assumes. A relay rank forwards bytes it receives, so it packs
+round i+1 only after round i was unpacked. NCCL issues a round as one coalesced group instead
+(see SyncGroup.post), so there a round's sends are all packed before it is posted.
 """
 
 from __future__ import annotations
@@ -21,21 +27,21 @@ from sync_runtime.transfer.buffers import empty_message, pack_bucket, unpack_buc
 from sync_runtime.transfer.config import PlanMismatchError, RankResult, TransferConfig, TransferError
 from sync_runtime.transfer.group import SyncGroup
 from sync_runtime.transfer.staging import DestinationWeights
-from sync_runtime.transfer.verify import send_source, verify_plan_against_tensors
-from sync_runtime.transfer.waiter import Message, RoundWaiter
+from sync_runtime.transfer.verify import verify_plan_against_tensors
+from sync_runtime.transfer.waiter import Completion, Key, Message, MessageWaiter
 
 ProgressFn = Callable[[int, int], None]
 _TAG_ROUND_SHIFT = 12  # up to 4096 buckets per (pair, round); rounds wrap at 2^19, far beyond any plan
 
 
 @dataclass(slots=True)
-class _InFlight:
-    """One posted round: its receive buffers (to unpack) and the waiter on its messages."""
+class _Round:
+    """One posted round: buffers still needed and messages not yet completed."""
 
     index: int
-    recv_bufs: list[torch.Tensor]
-    send_bufs: list[torch.Tensor]
-    waiter: RoundWaiter | None
+    recv_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    outstanding: set[Key] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -48,6 +54,7 @@ class _Executor:
     sync_id: int
     on_progress: ProgressFn | None
     device: torch.device = field(init=False)
+    waiter: MessageWaiter | None = None
     where: str = "before round 0"
     """What the rank was doing, for errors that do not say it themselves."""
     send_bytes: int = 0
@@ -60,111 +67,138 @@ class _Executor:
 
     def run(self) -> None:
         n = len(self.plan.sends)
-        if n == 0:
+        if not any(self.plan.sends) and not any(self.plan.recvs):
             return
-        current = self._post(0, self._pack(0))
+        self.waiter = MessageWaiter(self.device)
+        ahead: dict[int, torch.Tensor] | None = None
         for i in range(n):
-            nxt = i + 1 if i + 1 < n else None
-            early = nxt is not None and not self._reads_staging(nxt)
-            packed = self._pack(nxt) if early and nxt is not None else None
-            self._wait(current)
-            following = self._post(nxt, packed) if packed is not None and nxt is not None else None
-            self._unpack(current)
-            if nxt is not None and following is None:
-                following = self._post(nxt, self._pack(nxt))
-            if following is None:
-                return
-            current = following
+            flight = self._start_round(i, ahead)
+            ahead = None
+            if i + 1 < n and not self._reads_staging(i + 1):
+                ahead = self._pack_round(i + 1, flight)
+            self._drain(flight, block=True)
+        self.waiter.stop()
 
     def _reads_staging(self, round_index: int) -> bool:
         """True when a send of that round forwards bytes this rank receives (relay)."""
-        return any(
-            self.sources is None or t.src_name not in self.sources
-            for b in self.plan.sends[round_index]
-            for t in b.transfers
-        )
+        srcs = self.sources or {}
+        return any(t.src_name not in srcs for b in self.plan.sends[round_index] for t in b.transfers)
 
     def _source(self, name: str) -> torch.Tensor:
         if self.sources is not None and name in self.sources:
             return self.sources[name]
-        if self.destination is not None:
-            return self.destination.staged(name)  # relay: forward the new version, not the live one
-        tensor = send_source(name, self.sources, self.destination)
-        if tensor is None:
+        if self.destination is None:
             raise PlanMismatchError(f"rank {self.plan.rank}: no source tensor {name!r}")
-        return tensor
+        return self.destination.staged(name)  # relay: forward the new version, not the live one
 
-    def _pack(self, round_index: int) -> list[torch.Tensor]:
-        self.where = f"round {round_index} (packing)"
-        bufs = []
-        for bucket in self.plan.sends[round_index]:
-            buf = pack_bucket(bucket, self._source, self.device)
-            if testing.HOOKS.after_pack is not None:
-                testing.HOOKS.after_pack(round_index, bucket, buf)
-            bufs.append(buf)
-        return bufs
+    def _pack(self, round_index: int, j: int, bucket: Bucket) -> torch.Tensor:
+        self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
+        buf = pack_bucket(bucket, self._source, self.device)
+        if testing.HOOKS.after_pack is not None:
+            testing.HOOKS.after_pack(round_index, bucket, buf)
+        return buf
 
-    def _post(self, round_index: int, send_bufs: list[torch.Tensor]) -> _InFlight:
+    def _pack_round(self, round_index: int, inflight: _Round | None) -> dict[int, torch.Tensor]:
+        """Pack a round's sends ahead; between buckets, unpack what already landed of `inflight`."""
+        out = {}
+        for j, bucket in enumerate(self.plan.sends[round_index]):
+            out[j] = self._pack(round_index, j, bucket)
+            if inflight is not None:
+                self._drain(inflight, block=False)
+        return out
+
+    def _start_round(self, i: int, packed: dict[int, torch.Tensor] | None) -> _Round:
         if testing.HOOKS.before_round is not None:
-            testing.HOOKS.before_round(round_index)
-        self.where = f"round {round_index} (posting)"
-        recv_buckets = self.plan.recvs[round_index]
-        send_buckets = self.plan.sends[round_index]
-        recv_bufs = [empty_message(b, self.device) for b in recv_buckets]
-        recvs = [
-            (b.src_rank, buf, tag)
-            for b, buf, tag in zip(
-                recv_buckets, recv_bufs, _tags(recv_buckets, round_index, "src"), strict=True
-            )
-        ]
-        sends = [
-            (b.dst_rank, buf, tag)
-            for b, buf, tag in zip(
-                send_buckets, send_bufs, _tags(send_buckets, round_index, "dst"), strict=True
-            )
-        ]
-        if not recvs and not sends:
-            return _InFlight(round_index, recv_bufs, send_bufs, None)
-        messages = [Message("recv from", b.src_rank, b.nbytes) for b in recv_buckets]
-        messages += [Message("send to", b.dst_rank, b.nbytes) for b in send_buckets]
-        works = self.group.post(sends, recvs)
-        waiter = RoundWaiter(works, messages, time.monotonic() + self.config.timeout_s)
-        return _InFlight(round_index, recv_bufs, send_bufs, waiter)
+            testing.HOOKS.before_round(i)
+        self.where = f"round {i} (posting)"
+        flight = _Round(i)
+        recv_buckets, send_buckets = self.plan.recvs[i], self.plan.sends[i]
+        flight.recv_bufs = {j: empty_message(b, self.device) for j, b in enumerate(recv_buckets)}
+        rtags, stags = _tags(recv_buckets, i, "src"), _tags(send_buckets, i, "dst")
+        recvs = [(b.src_rank, flight.recv_bufs[j], rtags[j]) for j, b in enumerate(recv_buckets)]
+        if self.group.kind == "nccl":  # one coalesced group: every send must be packed first
+            flight.send_bufs = packed if packed is not None else self._pack_round(i, None)
+            sends = [(b.dst_rank, flight.send_bufs[j], stags[j]) for j, b in enumerate(send_buckets)]
+            peers = sorted({b.src_rank for b in recv_buckets} | {b.dst_rank for b in send_buckets})
+            if sends or recvs:
+                (work,) = self.group.post(sends, recvs)
+                self._track(flight, work, ("round", 0), f"exchange with ranks {peers}")
+            return flight
+        for j, work in enumerate(self.group.post([], recvs)):
+            b = recv_buckets[j]
+            self._track(flight, work, ("recv", j), f"recv from rank {b.src_rank} ({b.nbytes} bytes)")
+        for j, b in enumerate(send_buckets):
+            buf = packed[j] if packed is not None else self._pack(i, j, b)
+            flight.send_bufs[j] = buf
+            (work,) = self.group.post([(b.dst_rank, buf, stags[j])], [])
+            self._track(flight, work, ("send", j), f"send to rank {b.dst_rank} ({b.nbytes} bytes)")
+        return flight
 
-    def _wait(self, flight: _InFlight) -> None:
-        if flight.waiter is None:
-            return
-        try:
-            flight.waiter.wait(
-                rank=self.plan.rank,
-                round_index=flight.index,
-                timeout_s=self.config.timeout_s,
-                poll_s=self.config.poll_interval_s,
-                peer_failure=lambda: self.group.peer_failure(self.sync_id),
+    def _track(self, flight: _Round, work: torch.distributed.Work, key: Key, text: str) -> None:
+        assert self.waiter is not None
+        self.waiter.add(work, Message(flight.index, key, text, time.monotonic() + self.config.timeout_s))
+        flight.outstanding.add(key)
+
+    def _drain(self, flight: _Round, *, block: bool) -> None:
+        """Handle completions of `flight`; with block=True until all its messages completed."""
+        assert self.waiter is not None or not flight.outstanding
+        while flight.outstanding:
+            done = self.waiter.next(self.config.poll_interval_s if block else 0.0)  # type: ignore[union-attr]
+            if done is None:
+                if not block:
+                    return
+                self._check_peers(flight.index)
+                continue
+            self._complete(flight, done)
+
+    def _check_peers(self, round_index: int, cause: str | None = None) -> None:
+        failure = self.group.peer_failure(self.sync_id)
+        if failure is not None:
+            who, why = failure
+            raise TransferError(
+                f"rank {self.plan.rank}: aborted in round {round_index} (step transfer): "
+                f"peer rank {who} failed: {why}" + (f" [local transport error: {cause}]" if cause else "")
             )
-        except TransferError:
-            self.group.adopt(flight.waiter.thread)
-            raise
-        self.send_bytes += sum(b.nbytes for b in self.plan.sends[flight.index])
-        self.recv_bytes += sum(b.nbytes for b in self.plan.recvs[flight.index])
-        flight.send_bufs.clear()  # free round i's send buffers before round i+1's receives land
+
+    def _complete(self, flight: _Round, done: Completion) -> None:
+        msg = done.message
+        if done.error is not None:
+            # A transport error is often the echo of a peer's failure (it closed its connections):
+            # name the root cause when the peer published one.
+            self._check_peers(flight.index, cause=done.error)
+            reason = (
+                f"timed out after {self.config.timeout_s:.1f}s"
+                if "timed out" in done.error.lower()
+                else done.error
+            )
+            where = f"rank {self.plan.rank}: round {flight.index}: {msg.description}"
+            raise TransferError(f"{where} failed (step transfer): {reason}")
+        flight.outstanding.discard(msg.key)
+        kind, j = msg.key
+        if kind in ("recv", "round"):
+            for k in [j] if kind == "recv" else list(flight.recv_bufs):
+                self._unpack(flight, k)
+        if kind in ("send", "round"):
+            for k in [j] if kind == "send" else list(flight.send_bufs):
+                self.send_bytes += self.plan.sends[flight.index][k].nbytes
+                flight.send_bufs.pop(k, None)  # free as soon as the wire is done with it
         if self.on_progress is not None:
             self.on_progress(self.send_bytes + self.recv_bytes, self.total_bytes)
 
-    def _unpack(self, flight: _InFlight) -> None:
-        self.where = f"round {flight.index} (unpacking)"
-        assert self.destination is not None or not flight.recv_bufs
-        for bucket, buf in zip(self.plan.recvs[flight.index], flight.recv_bufs, strict=True):
-            bad = unpack_bucket(bucket, buf, self.destination.staged)  # type: ignore[union-attr]
-            if bad:
-                t = bad[0]
-                raise TransferError(
-                    f"checksum mismatch: rank {self.plan.rank} tensor {t.tensor} from rank {bucket.src_rank} "
-                    f"round {flight.index} (step verify; staged {t.dst_name}{list(t.dst_box)}; "
-                    f"{len(bad)} bad transfer(s) in the bucket)",
-                    step="verify",
-                )
-        flight.recv_bufs.clear()
+    def _unpack(self, flight: _Round, j: int) -> None:
+        bucket = self.plan.recvs[flight.index][j]
+        self.where = f"round {flight.index} (unpacking bucket from rank {bucket.src_rank})"
+        assert self.destination is not None
+        bad = unpack_bucket(bucket, flight.recv_bufs.pop(j), self.destination.staged)
+        if bad:
+            t = bad[0]
+            raise TransferError(
+                f"checksum mismatch: rank {self.plan.rank} tensor {t.tensor} from rank {bucket.src_rank} "
+                f"round {flight.index} (step verify; staged {t.dst_name}{list(t.dst_box)}; "
+                f"{len(bad)} bad transfer(s) in the bucket)",
+                step="verify",
+            )
+        self.recv_bytes += bucket.nbytes
 
 
 def _tags(buckets: tuple[Bucket, ...], round_index: int, peer_attr: str) -> list[int]:
@@ -190,36 +224,56 @@ def run_rank_plan(
 ) -> RankResult:
     """Run this rank's sends and receives of one sync. Never raises for a transfer failure.
 
-    Collective: every rank of the group calls it once per sync with its RankPlan of the same
-    plan; it returns ok=True only when every rank finished without error. Destination ranks must
-    have called `destination.begin(version)`; the caller commits or aborts afterwards.
+    Collective: every rank of the group calls it once per sync (even with nothing to move) with
+    its RankPlan of the same plan; it returns ok=True only when every rank finished without
+    error. Destination ranks must have called `destination.begin(version)`; the caller commits
+    (all ok) or aborts afterwards. A relay rank's sends read its destination staging.
     """
     start = time.perf_counter()
     sync_id = group.begin_sync()
     ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress)
     try:
-        if not group.healthy:
-            raise TransferError(
-                f"rank {plan.rank}: group {group.name} saw a failure; close() and reconnect", step="connect"
-            )
-        verify_plan_against_tensors(plan, sources, destination)
-        if any(plan.recvs) and (destination is None or not destination.staging_active):
-            raise TransferError(
-                f"rank {plan.rank}: destination.begin(version) was not called (step transfer)"
-            )
+        _preflight(group, plan, sources, destination, config)
         group.agree_digest(sync_id, plan.digest)
         ex.run()
         group.finish(sync_id, config.timeout_s, last_round=len(plan.sends) - 1)
     except Exception as e:
-        step = "plan" if isinstance(e, PlanMismatchError) else getattr(e, "step", "transfer")
-        if isinstance(e, TransferError):
-            message = str(e)
-        else:  # PlanMismatchError names rank, tensor and box; add where it happened, like the rest
-            kind = "" if isinstance(e, PlanMismatchError) else f"unexpected {type(e).__name__}: "
-            message = f"rank {plan.rank}: {ex.where}, no peer (step {step}): {kind}{e}"
-
+        message, step = _describe_failure(e, plan.rank, ex.where)
         group.report_failure(sync_id, message)
+        if ex.waiter is not None:  # a Work may still be in flight; the group keeps it until close()
+            ex.waiter.abandon()
+            group.adopt(ex.waiter.thread)
         return RankResult(
             plan.rank, False, ex.send_bytes, ex.recv_bytes, time.perf_counter() - start, message, step
         )
     return RankResult(plan.rank, True, ex.send_bytes, ex.recv_bytes, time.perf_counter() - start)
+
+
+def _preflight(
+    group: SyncGroup,
+    plan: RankPlan,
+    sources: Mapping[str, torch.Tensor] | None,
+    destination: DestinationWeights | None,
+    config: TransferConfig,
+) -> None:
+    if config.backend != group.kind:
+        raise TransferError(
+            f"rank {plan.rank}: config.backend={config.backend}, group {group.name} is {group.kind}",
+            step="connect",
+        )
+    if not group.healthy:
+        raise TransferError(
+            f"rank {plan.rank}: group {group.name} saw a failure; close() and reconnect", step="connect"
+        )
+    verify_plan_against_tensors(plan, sources, destination)
+    if any(plan.recvs) and (destination is None or not destination.staging_active):
+        raise TransferError(f"rank {plan.rank}: destination.begin(version) was not called (step transfer)")
+
+
+def _describe_failure(e: Exception, rank: int, where: str) -> tuple[str, str]:
+    step = "plan" if isinstance(e, PlanMismatchError) else getattr(e, "step", "transfer")
+    if isinstance(e, TransferError):
+        return str(e), step
+    # PlanMismatchError names rank, tensor and box; add where it happened, like the rest.
+    kind = "" if isinstance(e, PlanMismatchError) else f"unexpected {type(e).__name__}: "
+    return f"rank {rank}: {where}, no peer (step {step}): {kind}{e}", step

@@ -15,7 +15,6 @@ agree on, the first failure of a sync (`failed`), and the end-of-sync decision (
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import torch
@@ -199,24 +198,40 @@ class SyncGroup:
     # -- lifecycle --------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the backend. Waiter threads of a failed sync are joined first (each has a deadline)."""
+        """Release the backend; never blocks.
+
+        Waiter threads of a failed sync may still sit in `Work.wait` until their deadline (gloo
+        cannot interrupt them); the backend must outlive them, so a reaper thread holds it and
+        shuts it down once they are done.
+        """
         if self._closed:
             return
         self._closed = True
         self.healthy = False
-        deadline = time.monotonic() + self.timeout_s + 5.0
-        for thread in self._orphans:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._orphans):
-            return  # never destroy a backend under a blocked thread; the process exit reclaims it
-        self._orphans.clear()
-        try:
-            if self.kind == "nccl":
-                self.backend.abort()  # frees communicators even if a kernel is stuck on a dead peer
-            else:
-                self.backend.shutdown()
-        except Exception:
-            pass  # closing a broken group must not raise
+        orphans, self._orphans = [t for t in self._orphans if t.is_alive()], []
+        if not orphans:
+            _shutdown(self.backend, self.kind)
+            return
+        reaper = threading.Thread(
+            target=_reap, args=(self.backend, self.kind, orphans), name="weightsync-reaper", daemon=True
+        )
+        reaper.start()
+
+
+def _reap(backend: dist.Backend, kind: str, orphans: list[threading.Thread]) -> None:
+    for thread in orphans:
+        thread.join()  # each has a deadline: at most timeout_s after its round was posted
+    _shutdown(backend, kind)
+
+
+def _shutdown(backend: dist.Backend, kind: str) -> None:
+    try:
+        if kind == "nccl":
+            backend.abort()  # frees communicators even if a kernel is stuck on a dead peer
+        else:
+            backend.shutdown()
+    except Exception:
+        pass  # closing a broken group must not raise
 
 
 def _make_backend(

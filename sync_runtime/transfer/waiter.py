@@ -1,97 +1,84 @@
-"""Waiting on a round's messages with a deadline while watching for a peer's failure.
+"""Waiting on posted messages with deadlines while watching for a peer's failure.
 
 gloo's `Work.wait(timeout)` completes the Work even when it times out, so a Work cannot be
-waited on in short slices; the waits run in a helper thread with the round's deadline, and the
-calling thread polls the store's failure flag meanwhile. A failure elsewhere therefore ends
-this rank's wait within one poll interval instead of after timeout_s.
+waited on in short slices. One helper thread per sync therefore waits the posted Works in
+posting order, each until its own deadline, and queues every completion; the engine's thread
+takes completions as they come (unpacking a bucket while the next is still on the wire) and,
+while none comes, polls the store's failure flag, so a failure elsewhere ends this rank's wait
+within one poll interval instead of after timeout_s.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from sync_runtime.transfer.config import TransferError
+Key = tuple[str, int]
+"""("recv", bucket index), ("send", bucket index), or ("round", 0) for a coalesced NCCL round."""
 
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One posted message: what to say about it when it fails."""
+    """One posted message (or a coalesced round): what to say about it when it fails."""
 
-    direction: str  # "send to" / "recv from"
-    peer: int
-    nbytes: int
+    round_index: int
+    key: Key
+    description: str
+    """e.g. "recv from rank 3 (4096 bytes)"."""
+    deadline: float
 
 
-class RoundWaiter:
-    def __init__(self, works: list[dist.Work], messages: list[Message], deadline: float) -> None:
-        # NCCL returns one Work for the whole coalesced round: it then stands for every message.
-        self._works = works
-        self._messages = messages
-        self._deadline = deadline
-        self.failed_index: int | None = None
-        self.failure: str | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weightsync-round-wait", daemon=True)
-        self._thread.start()
+@dataclass(frozen=True, slots=True)
+class Completion:
+    message: Message
+    error: str | None
+    """None when the message completed; otherwise the transport's error text."""
+
+
+class MessageWaiter:
+    """A helper thread waiting Works in posting order; completions come out of `next()`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._pending: queue.SimpleQueue[tuple[dist.Work, Message] | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Completion] = queue.SimpleQueue()
+        self._abandoned = False
+        self.thread = threading.Thread(target=self._run, name="weightsync-wait", daemon=True)
+        self.thread.start()
+
+    def add(self, work: dist.Work, message: Message) -> None:
+        self._pending.put((work, message))
+
+    def stop(self) -> None:
+        self._pending.put(None)
+
+    def abandon(self) -> None:
+        """After a failure: wait on nothing more than the Work already being waited on."""
+        self._abandoned = True
+        self._pending.put(None)
+
+    def next(self, timeout_s: float) -> Completion | None:
+        try:
+            return self._done.get(timeout=timeout_s) if timeout_s > 0 else self._done.get_nowait()
+        except queue.Empty:
+            return None
 
     def _run(self) -> None:
-        for i, work in enumerate(self._works):
-            remaining = max(self._deadline - time.monotonic(), 0.001)
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # NCCL's wait synchronizes on this thread's device
+        while (item := self._pending.get()) is not None and not self._abandoned:
+            work, message = item
+            remaining = max(message.deadline - time.monotonic(), 0.001)
             try:
                 work.wait(timedelta(seconds=remaining))
             except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport text
-                self.failed_index, self.failure = i, str(e).splitlines()[0] if str(e) else type(e).__name__
-                break
-        self._done.set()
-
-    def wait(
-        self,
-        *,
-        rank: int,
-        round_index: int,
-        timeout_s: float,
-        poll_s: float,
-        peer_failure: Callable[[], tuple[int, str] | None],
-    ) -> None:
-        """Return when every message completed; raise TransferError naming rank, round, peer, step."""
-        while not self._done.wait(poll_s):
-            self._raise_if_peer_failed(rank, round_index, peer_failure)
-            if time.monotonic() > self._deadline + 2 * poll_s:
-                break  # the helper is stuck past its own deadline; report the timeout anyway
-        if self._done.is_set() and self.failure is None:
-            return
-        # A transport error is often the echo of a peer's failure (it closed its connections):
-        # name the root cause when the peer published one.
-        self._raise_if_peer_failed(rank, round_index, peer_failure)
-        index = self.failed_index if self.failed_index is not None else 0
-        msg = self._messages[index] if len(self._works) == len(self._messages) else None
-        peer_text = (
-            f"{msg.direction} rank {msg.peer} ({msg.nbytes} bytes)" if msg else f"peers {self._peers()}"
-        )
-        timed_out = self.failure is None or "timed out" in self.failure.lower()
-        reason = f"timed out after {timeout_s:.1f}s" if timed_out else self.failure
-        raise TransferError(f"rank {rank}: round {round_index}: {peer_text} failed (step transfer): {reason}")
-
-    def _raise_if_peer_failed(
-        self, rank: int, round_index: int, peer_failure: Callable[[], tuple[int, str] | None]
-    ) -> None:
-        failure = peer_failure()
-        if failure is not None:
-            who, why = failure
-            raise TransferError(
-                f"rank {rank}: aborted in round {round_index} (step transfer) waiting on peers "
-                f"{self._peers()}: peer rank {who} failed: {why}"
-            )
-
-    def _peers(self) -> list[int]:
-        return sorted({m.peer for m in self._messages})
-
-    @property
-    def thread(self) -> threading.Thread:
-        return self._thread
+                text = str(e).splitlines()[0] if str(e) else type(e).__name__
+                self._done.put(Completion(message, text))
+                return  # the sync is lost; the Works behind this one are the group's to drop
+            self._done.put(Completion(message, None))

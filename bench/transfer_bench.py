@@ -1,0 +1,248 @@
+"""Transfer benchmark: the same bytes moved three ways, gloo on loopback, real processes.
+
+(a) weightsync: the planner's plan executed by the transfer engine (pack, checksum, send,
+    unpack, verify; double-buffered), warm path: group and plan reused.
+(b) naive: source rank 0 gathers every full canonical tensor from the source ranks, then sends
+    it to every destination rank, which slices out its shard (the rank-0 funnel many RL
+    frameworks use).
+(c) transport: each destination rank receives its total plan bytes as one contiguous message
+    from one source rank (no packing, no checksums): what loopback gloo can do at best.
+
+Each measurement: a barrier, then the method; the time is the slowest rank's; median of
+--repeats runs after one warm-up. Prints a table; writes nothing.
+
+    make bench-transfer                 # tiny and mid-size presets
+    make bench-transfer ARGS=--quick    # tiny only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sync_runtime.layouts.base import Piece
+from sync_runtime.topology import Role
+from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
+from sync_runtime.transfer.buffers import box_slices
+from sync_runtime.transfer.local import LocalWorld, RankContext
+from sync_runtime.transfer.scenario import Scenario
+
+TIMEOUT_S = 300.0
+# A llama whose heads split 3 ways and 2 ways (nh=24, nkv=6), about 400 MB in bf16.
+MID_LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1536,
+    "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 24,
+    "num_key_value_heads": 6, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": False,
+}  # fmt: skip
+TINY_LLAMA_12 = {**MID_LLAMA, "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 12,
+                 "head_dim": 8, "vocab_size": 1000}  # fmt: skip
+
+CASES: list[tuple[str, str, object, str, str]] = [
+    # (size, case, model, source, destination)
+    ("tiny", "equal tp2->tp2", "tiny-llama", "tp=2", "tp=2"),
+    ("tiny", "tp2->tp4", "tiny-llama", "tp=2", "tp=4"),
+    ("tiny", "tp3->tp2", TINY_LLAMA_12, "tp=3", "tp=2"),
+    ("tiny", "ep2->ep2 (moe)", "tiny-qwen3-moe", "tp=2,ep=2", "tp=2,ep=2"),
+    ("mid", "equal tp2->tp2", "mid-qwen3-moe", "tp=2", "tp=2"),
+    ("mid", "tp4->tp2", "mid-qwen3-moe", "tp=4", "tp=2"),
+    ("mid", "tp3->tp2", MID_LLAMA, "tp=3", "tp=2"),
+    ("mid", "ep2->ep2 (moe)", "mid-qwen3-moe", "tp=2,ep=2", "tp=2,ep=2"),
+]
+
+
+def _random_like(shard) -> dict[str, torch.Tensor]:
+    """Random bytes in the shard's shapes: timing does not depend on values, and this is fast."""
+    out = {}
+    for t in shard.tensors:
+        bits = torch.randint(-(2**15), 2**15, t.shape, dtype=torch.int16)
+        out[t.name] = bits.view(torch.bfloat16)
+    return out
+
+
+@dataclass(slots=True)
+class _Rank:
+    ctx: RankContext
+    scenario: Scenario
+    group: SyncGroup
+    role: Role
+    local: dict[str, torch.Tensor]
+    n_src: int
+
+
+def _barrier(r: _Rank) -> None:
+    r.group.backend.barrier().wait()
+
+
+def _method_plan(r: _Rank, plan, dest: DestinationWeights | None) -> float:
+    rank_plan = plan.for_rank(r.ctx.rank)
+    config = TransferConfig(timeout_s=TIMEOUT_S)
+    if dest is not None:
+        dest.begin("bench")
+    _barrier(r)
+    start = time.perf_counter()
+    result = run_rank_plan(r.group, rank_plan, sources=r.local if r.role is Role.SOURCE else None,
+                           destination=dest, config=config)  # fmt: skip
+    elapsed = time.perf_counter() - start
+    if not result.ok:
+        raise RuntimeError(result.error)
+    if dest is not None:
+        dest.commit()
+    return elapsed
+
+
+def _cover(r: _Rank) -> dict[str, list[tuple[int, Piece]]]:
+    """Per canonical tensor, one (source rank, piece) per distinct region: what rank 0 gathers."""
+    cover: dict[str, dict[tuple, tuple[int, Piece]]] = {}
+    for src in range(r.n_src):
+        for p in r.scenario.shard(src)[1].pieces:
+            cover.setdefault(p.tensor, {}).setdefault(p.canon_box, (src, p))
+    return {name: list(regions.values()) for name, regions in cover.items()}
+
+
+def _method_naive(
+    r: _Rank, cover: dict[str, list[tuple[int, Piece]]], dst_pieces: dict[str, list[Piece]]
+) -> float:
+    pg, rank = r.group.backend, r.ctx.rank
+    manifest = r.scenario.manifest()
+    dst_ranks = range(r.n_src, r.scenario.world_size)
+    _barrier(r)
+    start = time.perf_counter()
+    for ti, meta in enumerate(manifest.tensors):
+        regions = cover[meta.name]
+        if rank == 0:
+            full = torch.empty(meta.shape, dtype=torch.bfloat16)
+            by_src: dict[int, list[Piece]] = {}
+            for src, p in regions:
+                by_src.setdefault(src, []).append(p)
+            for p in by_src.pop(0, []):
+                full[box_slices(p.canon_box)] = r.local[p.local_name][box_slices(p.local_box)].reshape(
+                    full[box_slices(p.canon_box)].shape)  # fmt: skip
+            recvs = []
+            for src, pieces in by_src.items():
+                buf = torch.empty(sum(_numel(p) for p in pieces), dtype=torch.bfloat16)
+                recvs.append((pg.recv([buf], src, ti), buf, pieces))
+            for work, buf, pieces in recvs:
+                work.wait()
+                off = 0
+                for p in pieces:
+                    region = full[box_slices(p.canon_box)]
+                    region.copy_(buf[off : off + region.numel()].view(region.shape))
+                    off += region.numel()
+            for w in [pg.send([full], d, ti) for d in dst_ranks]:
+                w.wait()
+        elif r.role is Role.SOURCE:
+            mine = [p for src, p in regions if src == rank]
+            if mine:
+                buf = torch.cat([r.local[p.local_name][box_slices(p.local_box)].reshape(-1) for p in mine])
+                pg.send([buf], 0, ti).wait()
+        else:
+            full = torch.empty(meta.shape, dtype=torch.bfloat16)
+            pg.recv([full], 0, ti).wait()
+            for p in dst_pieces.get(meta.name, []):
+                region = r.local[p.local_name][box_slices(p.local_box)]
+                region.copy_(full[box_slices(p.canon_box)].reshape(region.shape))
+    return time.perf_counter() - start
+
+
+def _numel(p: Piece) -> int:
+    n = 1
+    for a, b in p.canon_box:
+        n *= b - a
+    return n
+
+
+def _method_transport(r: _Rank, plan, bufs: dict[int, torch.Tensor]) -> float:
+    """Destination d receives its plan bytes in one message from source (d - n_src) % n_src."""
+    pg = r.group.backend
+    _barrier(r)
+    start = time.perf_counter()
+    if r.role is Role.SOURCE:
+        works = [pg.send([buf], d, 7) for d, buf in bufs.items()]
+    else:
+        works = [pg.recv([buf], peer, 7) for peer, buf in bufs.items()]
+    for w in works:
+        w.wait()
+    return time.perf_counter() - start
+
+
+def _transport_buffers(r: _Rank, plan) -> dict[int, torch.Tensor]:
+    recv_bytes = {d: sum(b.nbytes for rnd in plan.rounds for b in rnd.buckets if b.dst_rank == d)
+                  for d in range(r.n_src, r.scenario.world_size)}  # fmt: skip
+    rank = r.ctx.rank
+    if r.role is Role.SOURCE:
+        mine = {d: n for d, n in recv_bytes.items() if (d - r.n_src) % r.n_src == rank}
+        return {d: torch.empty(n, dtype=torch.uint8) for d, n in mine.items()}
+    return {(rank - r.n_src) % r.n_src: torch.empty(recv_bytes[rank], dtype=torch.uint8)}
+
+
+def bench_rank(ctx: RankContext, scenario: Scenario, repeats: int) -> dict[str, list[float]]:
+    plan = scenario.plan()
+    role, shard = scenario.shard(ctx.rank)
+    group = SyncGroup.connect(store_host=ctx.store_host, store_port=ctx.store_port, rank=ctx.rank,
+                              world_size=scenario.world_size, backend="gloo", timeout_s=TIMEOUT_S,
+                              group_name=ctx.group_name)  # fmt: skip
+    n_src = len(scenario.sides()[0].coords)
+    r = _Rank(ctx, scenario, group, role, _random_like(shard), n_src)
+    dest = DestinationWeights(r.local) if role is Role.DESTINATION else None
+    cover = _cover(r)
+    dst_pieces: dict[str, list[Piece]] = {}
+    for p in shard.pieces if role is Role.DESTINATION else ():
+        dst_pieces.setdefault(p.tensor, []).append(p)
+    tbufs = _transport_buffers(r, plan)
+    methods = {
+        "plan": lambda: _method_plan(r, plan, dest),
+        "naive": lambda: _method_naive(r, cover, dst_pieces),
+        "transport": lambda: _method_transport(r, plan, tbufs),
+    }
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    for name, fn in methods.items():
+        fn()  # warm-up: first-touch allocations, checksum tables, gloo pair buffers
+        times[name] = [fn() for _ in range(repeats)]
+    group.close()
+    return times
+
+
+def _plan_bytes(scenario: Scenario) -> tuple[int, int]:
+    plan = scenario.plan()
+    return sum(b.nbytes for rnd in plan.rounds for b in rnd.buckets), len(plan.rounds)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny preset only")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    cases = [c for c in CASES if not args.quick or c[0] == "tiny"]
+    scenarios = [Scenario(model, src, dst) for _, _, model, src, dst in cases]
+    pool = max(s.world_size for s in scenarios)
+    header = (f"{'size':5} {'case':16} {'MB':>7} {'rnds':>4} {'a s':>7} {'b s':>7} {'c s':>7} "
+              f"{'a GB/s':>7} {'b GB/s':>7} {'c GB/s':>7} {'a/b':>5} {'a/c':>5}")  # fmt: skip
+    threads = torch.get_num_threads()
+    print(f"gloo loopback, {threads} torch threads/rank, median of {args.repeats}; time = slowest")
+    print("rank; a/b and a/c are time ratios (targets: a/b <= 0.5 when TP differs, a/c <= 1.43 for mid)")
+    print(header)
+    with LocalWorld(pool) as world:
+        for (size, case, *_), scenario in zip(cases, scenarios, strict=True):
+            nbytes, rounds = _plan_bytes(scenario)
+            outcomes = world.run(bench_rank, [(scenario, args.repeats)] * scenario.world_size, TIMEOUT_S * 3)
+            failed = [o for o in outcomes if o.error or o.exitcode is not None]
+            if failed:
+                print(f"{size:5} {case:16} FAILED: {failed[0]}")
+                continue
+            med = {m: statistics.median(max(o.value[m][i] for o in outcomes) for i in range(args.repeats))
+                   for m in ("plan", "naive", "transport")}  # fmt: skip
+            gbps = {m: nbytes / t / 1e9 for m, t in med.items()}
+            a, b, c = med["plan"], med["naive"], med["transport"]
+            print(f"{size:5} {case:16} {nbytes / 1e6:7.1f} {rounds:4d} {a:7.3f} {b:7.3f} {c:7.3f} "
+                  f"{gbps['plan']:7.2f} {gbps['naive']:7.2f} {gbps['transport']:7.2f} "
+                  f"{a / b:5.2f} {a / c:5.2f}", flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
