@@ -10,7 +10,7 @@ import sys
 from sync_runtime.coordinator import Coordinator
 from sync_runtime.crd import WeightSyncSpec
 from sync_runtime.report import ProgressEvent, SyncReport, SyncResult
-from sync_runtime.runtime_ops import RayFailure, connect_ray
+from sync_runtime.runtime_ops import RayFailure, connect_ray, ensure_ray_auth_env
 
 log = logging.getLogger("weightsync.run")
 
@@ -63,6 +63,7 @@ def load_spec_file(path: str) -> WeightSyncSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    ensure_ray_auth_env(sys.argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.kubernetes:
         if not (args.namespace and args.name):

@@ -8,6 +8,7 @@ here talks to Ray and turns its errors into a `SyncFailure` naming the rank, act
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from sync_runtime import crd
-from sync_runtime.crd import DeploymentRef, Transport, WeightSyncSpec
+from sync_runtime.crd import Transport, WeightSyncSpec
 from sync_runtime.discovery import (
     DiscoveredSide,
     DiscoveryError,
@@ -79,11 +80,6 @@ def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
     address = addresses[0]
     if ray.is_initialized():
         return address
-    token = _ray_token(refs)
-    if token:
-        # Ray reads the token from RAY_AUTH_TOKEN (highest precedence) when RAY_AUTH_MODE=token.
-        os.environ["RAY_AUTH_MODE"] = "token"
-        os.environ["RAY_AUTH_TOKEN"] = token
     try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     except Exception as e:  # ray.init raises ConnectionError, ValueError, RuntimeError...
@@ -91,15 +87,34 @@ def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
     return address
 
 
-def _ray_token(refs: Sequence[DeploymentRef]) -> str | None:
-    """The auth token the operator mounted for these deployments (never logged)."""
-    for index, ref in enumerate(refs):
-        if ref.auth_secret_ref is None:
-            continue
-        value = os.environ.get(crd.ray_token_env_name(index))
+def ray_token_from_env() -> str | None:
+    """The Ray auth token the operator mounted (`crd.ray_token_env_name`), source's first.
+
+    All deployments share one cluster, hence one token. Never logged.
+    """
+    for index in range(crd.MAX_DESTINATIONS + 1):
+        value = os.environ.get(crd.ray_token_env_name(index), "").strip()
         if value:
-            return value.strip()
+            return value
     return None
+
+
+def ensure_ray_auth_env(argv: Sequence[str]) -> None:
+    """Make Ray see the mounted token, the documented way: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN
+    in the environment *before* Ray is imported (Ray caches its auth config at import time).
+
+    When Ray is already imported (the CLI imports it with the coordinator), re-execute the same
+    command with the variables set; the token travels in the environment, never in argv.
+    """
+    token = ray_token_from_env()
+    if not token or (
+        os.environ.get("RAY_AUTH_TOKEN") == token and os.environ.get("RAY_AUTH_MODE") == "token"
+    ):
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = token
+    if "ray" in sys.modules:
+        os.execv(sys.executable, [sys.executable, *argv])
 
 
 # ---- discovery -----------------------------------------------------------------------------
