@@ -91,6 +91,7 @@ def start_local_ray(num_cpus: int = 2, namespace: str = DEFAULT_NAMESPACE) -> st
     """An embedded Ray cluster sized for CI (no dashboard, small object store); returns its address."""
     if not ray.is_initialized():
         ray.init(
+            address="local",  # always a fresh cluster: never join one another process started here
             num_cpus=num_cpus,
             include_dashboard=False,
             object_store_memory=128 << 20,

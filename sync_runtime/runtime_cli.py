@@ -6,13 +6,18 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 
 from sync_runtime.coordinator import Coordinator
 from sync_runtime.crd import WeightSyncSpec
 from sync_runtime.report import ProgressEvent, SyncReport, SyncResult
-from sync_runtime.runtime_ops import RayFailure, connect_ray, ensure_ray_auth_env
+from sync_runtime.runtime_ops import RayFailure, connect_ray, ensure_ray_auth_env, resolve_address
 
 log = logging.getLogger("weightsync.run")
+HEARTBEAT_S = 30.0
+NOT_RETRIED = frozenset({"TopologyMismatch", "InvalidLayout", "PlanFailed"})
+"""Failures a retry cannot fix: the spec or the deployments must change first (a new spec is watched)."""
 
 
 class JsonReporter:
@@ -89,23 +94,75 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_kubernetes(namespace: str, name: str, advertise_host: str | None) -> int:
-    """The runtime pod's loop: one sync per new desired version, reported through the CR status."""
+    """The runtime pod's loop: one sync per new desired spec, reported through status.runtime.
+
+    A spec whose version every destination already holds is reported Synced without moving
+    bytes (a restarted runtime); a topology change is noticed by discovery and rebuilds the
+    plan and the process group; a new Ray address reconnects the driver.
+    """
     from sync_runtime.k8s import KubernetesReporter, watch_desired
 
     reporter = KubernetesReporter(namespace, name)
+    stop = threading.Event()
+    threading.Thread(
+        target=_heartbeat, args=(reporter, stop), name="weightsync-heartbeat", daemon=True
+    ).start()
     coordinator: Coordinator | None = None
     address: str | None = None
     try:
         for spec in watch_desired(namespace, name):
-            cluster = connect_ray(spec, namespace)
-            if coordinator is None or cluster != address:
+            if coordinator is None or resolve_address(spec, namespace) != address:
                 if coordinator is not None:
                     coordinator.close()
-                coordinator, address = Coordinator(spec, reporter, advertise_host=advertise_host), cluster
+                address = _connect_until_up(spec, namespace, reporter)
+                coordinator = Coordinator(spec, reporter, advertise_host=advertise_host)
             coordinator.update_spec(spec)
-            report = coordinator.sync(spec.version, skip_if_current=True)
-            log.info("sync %s: %s", report.version, report.result.value)
+            _sync_with_retries(coordinator, spec)
     finally:
+        stop.set()
         if coordinator is not None:
             coordinator.close()
     return 0
+
+
+def _heartbeat(reporter, stop: threading.Event) -> None:
+    """The operator tells a live idle runtime from a dead one by status.runtime.heartbeatTime."""
+    while not stop.wait(HEARTBEAT_S):
+        reporter.heartbeat()
+
+
+def _connect_until_up(spec: WeightSyncSpec, namespace: str, reporter) -> str:
+    """Connect (switching clusters if the address changed), retrying with backoff while reporting Failed."""
+    import ray
+
+    from sync_runtime.crd import RuntimePhase
+
+    if ray.is_initialized():
+        ray.shutdown()
+    delay = max(1.0, float(spec.retry.backoff_seconds))
+    while True:
+        reporter.set_phase(RuntimePhase.CONNECTING, version=spec.version)
+        try:
+            address = connect_ray(spec, namespace)
+        except RayFailure as e:
+            reporter.set_phase(RuntimePhase.FAILED, reason="RayClusterUnreachable", message=str(e)[:1000])
+            log.warning("%s; retrying in %.0fs", e, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, max(1.0, float(spec.retry.max_backoff_seconds)))
+            continue
+        reporter.set_phase(RuntimePhase.IDLE, version=spec.version)
+        return address
+
+
+def _sync_with_retries(coordinator: Coordinator, spec: WeightSyncSpec) -> None:
+    """spec.retry: a failed sync of the same version is retried `limit` times with backoff."""
+    delay = float(spec.retry.backoff_seconds)
+    for attempt in range(spec.retry.limit + 1):
+        report = coordinator.sync(spec.version, skip_if_current=True)
+        log.info("sync %s attempt %d: %s", report.version, attempt + 1, report.result.value)
+        if report.result is SyncResult.SUCCEEDED or report.failure is None:
+            return
+        if report.failure.reason in NOT_RETRIED:
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, float(spec.retry.max_backoff_seconds))

@@ -63,6 +63,16 @@ class RayFailure(RuntimeError):
 # ---- Ray connection ------------------------------------------------------------------------
 
 
+def resolve_address(spec: WeightSyncSpec, namespace: str | None = None) -> str | None:
+    """The one Ray address of all deployments (None when they disagree or name none)."""
+    namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
+    try:
+        addresses = {crd.resolve_ray_address(r, namespace) for r in spec.deployments()}
+    except ValueError:
+        return None
+    return addresses.pop() if len(addresses) == 1 else None
+
+
 def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
     """Connect this process to the one Ray cluster all deployments live in (once per process).
 
