@@ -200,23 +200,20 @@ def _transfers(
     """Per (src, dst) pair, in instance and need order, the transfers the chosen senders make."""
     pairs: dict[tuple[int, int], list[Transfer]] = {}
     for (dst_rank, needs), chosen in zip(instances, choices, strict=True):
+        by_src: dict[int, list[Transfer]] = {}  # one instance per dst rank: pairs are per instance
         for need, h in zip(needs, chosen, strict=True):
-            rank, piece = need.cell.holders[h]
+            source = need.sources[h] or need.source(h)
+            rank = source[0]
             t = Transfer(
-                rank,
-                dst_rank,
-                need.tensor,
-                piece.local_name,
-                need.src_box(h),
-                need.dst_name,
-                need.dst_box,
-                need.nbytes,
+                rank, dst_rank, need.tensor, source[1], source[2], need.dst_name, need.dst_box, need.nbytes
             )
-            bucket = pairs.get((rank, dst_rank))
-            if bucket is None:
-                pairs[(rank, dst_rank)] = [t]
+            group = by_src.get(rank)
+            if group is None:
+                by_src[rank] = [t]
             else:
-                bucket.append(t)
+                group.append(t)
+        for rank, group in by_src.items():
+            pairs[(rank, dst_rank)] = group
     return pairs
 
 

@@ -25,16 +25,17 @@ class Need:
     dst_name: str
     dst_box: Box
     nbytes: int
-    src_boxes: list[Box | None] = field(default_factory=list)
-    """Per holder of `cell`, the region in that holder's local tensor (filled on first use)."""
+    sources: list[tuple[int, str, Box] | None] = field(default_factory=list)
+    """Per holder of `cell`: (its rank, its local tensor, the region there). Filled on first use."""
 
-    def src_box(self, holder: int) -> Box:
-        box = self.src_boxes[holder]
-        if box is None:
-            _, piece = self.cell.holders[holder]
-            box = to_local(self.canon_box, piece.canon_box, piece.local_box)
-            self.src_boxes[holder] = box
-        return box
+    def source(self, holder: int) -> tuple[int, str, Box]:
+        """Where holder `holder` of the cell reads this need from."""
+        found = self.sources[holder]
+        if found is None:
+            rank, piece = self.cell.holders[holder]
+            found = (rank, piece.local_name, to_local(self.canon_box, piece.canon_box, piece.local_box))
+            self.sources[holder] = found
+        return found
 
 
 class NeedBuilder:
@@ -97,7 +98,7 @@ class NeedBuilder:
                         dst_name=piece.local_name,
                         dst_box=to_local(sub, piece.canon_box, piece.local_box),
                         nbytes=box_numel(sub) * itemsize,
-                        src_boxes=[None] * len(cell.holders),
+                        sources=[None] * len(cell.holders),
                     )
                 )
         return out

@@ -6,9 +6,10 @@ set (e.g. all its dense bytes of one TP rank's four DP copies): few items, and f
 per receiver, hence few and full buckets. When a holder set serves too few receivers to balance
 that way (fewer than `2 * len(holders)`), its needs are items of their own.
 
-A holder on the receiver's node is preferred when its load is at most one item above the least
-loaded holder: intra-node links are ~10x faster and spare the NIC, while the balance stays within
-one item of the greedy's.
+A holder on the receiver's node, else one that already sends to the receiver, is preferred when
+its load is at most one item above the least loaded holder: intra-node links are ~10x faster and
+spare the NIC, and every extra peer costs messages and fan-in slots, while the balance stays
+within one item of the greedy's.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class SenderChooser:
         self._node_ids = [index.setdefault(n, len(index)) for n in nodes]
         self._near: dict[tuple[tuple[int, ...], int], tuple[int, ...]] = {}
         self._splits: dict[int, _Split] = {}
+        self._peers: dict[int, set[int]] = {}
         self.loads = [0] * len(nodes)
 
     def _split(self, needs: list[Need]) -> _Split:
@@ -85,18 +87,27 @@ class SenderChooser:
         return choices
 
     def _pick(self, ranks: tuple[int, ...], dst_rank: int, nbytes: int) -> int:
-        """Index of the holder to send `nbytes` to `dst_rank`; adds the load."""
+        """Index of the holder to send `nbytes` to `dst_rank`; adds the load.
+
+        The least-loaded holder, unless one within `nbytes` of its load is on the receiver's node
+        or already sends to the receiver: a new peer costs a message and a fan-in slot per round.
+        """
         loads = self.loads
         best, best_load = 0, loads[ranks[0]]
         for h in range(1, len(ranks)):
             if loads[ranks[h]] < best_load:
                 best, best_load = h, loads[ranks[h]]
-        near = self._same_node(ranks, dst_rank)
-        if near and best not in near:
-            h = min(near, key=lambda h: (loads[ranks[h]], h))
-            if loads[ranks[h]] <= best_load + nbytes:
-                best = h
+        peers = self._peers.setdefault(dst_rank, set())
+        for preferred in (self._same_node(ranks, dst_rank), [h for h, r in enumerate(ranks) if r in peers]):
+            if best in preferred:
+                break
+            if preferred:
+                h = min(preferred, key=lambda h: (loads[ranks[h]], h))
+                if loads[ranks[h]] <= best_load + nbytes:
+                    best = h
+                    break
         loads[ranks[best]] += nbytes
+        peers.add(ranks[best])
         return best
 
     def _same_node(self, ranks: tuple[int, ...], dst_rank: int) -> tuple[int, ...]:
