@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sync_runtime import layouts as _layouts
+from sync_runtime.cost import predict_seconds_arrays
 from sync_runtime.layouts.base import Layout, LayoutError
 from sync_runtime.manifest import Manifest
 from sync_runtime.plan import Bucket, Round, SyncPlan, Transfer
@@ -27,10 +28,12 @@ from sync_runtime.planner.needs import Need, NeedBuilder
 from sync_runtime.planner.refine import SourceCell, build_cells
 from sync_runtime.planner.schedule import direct_queue, pack_buckets, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
-from sync_runtime.planner.stats import plan_stats
+from sync_runtime.planner.stats import plan_stats, schedule_arrays
 from sync_runtime.topology import RankCoord, Role, TopologyError
 
 LayoutLookup = Callable[[str], Layout]
+BOTH_PACINGS_MAX_BUCKETS = 20_000
+"""Plans up to this many buckets are scheduled with and without pacing (cheap at that size)."""
 Instance = tuple[int, list[Need]]
 """A destination rank and the needs of its position."""
 
@@ -179,10 +182,8 @@ def _build(
     choices = SenderChooser([c.node for c in ranks]).choose(direct)
     pairs = _transfers(direct, choices)
     bucket_bytes = config.effective_bucket_bytes
-    queues = [direct_queue(s, d, pack_buckets(s, d, ts, bucket_bytes)) for (s, d), ts in pairs.items()]
-    relays = _relay.relay_queues(chains, queues)
-    rounds = schedule_rounds(queues, len(ranks), config.round_bytes, config.max_fan_in, relays)
-    schedule = _fingerprint(rounds)
+    packed = [(s, d, pack_buckets(s, d, ts, bucket_bytes)) for (s, d), ts in pairs.items()]
+    rounds, schedule = _schedule(ranks, packed, chains, config)
     plan = SyncPlan(
         ranks=ranks,
         rounds=tuple(Round(tuple(r)) for r in rounds),
@@ -192,6 +193,30 @@ def _build(
     lower_bound = sum(n.nbytes for insts in side_instances for _, needs in insts for n in needs)
     plan.stats.update(plan_stats(plan, schedule, n_tensors, lower_bound, config.cost))
     return plan
+
+
+def _schedule(
+    ranks: Sequence[RankCoord],
+    packed: list[tuple[int, int, list[Bucket]]],
+    chains: dict[int, int],
+    config: PlannerConfig,
+) -> tuple[list[list[Bucket]], np.ndarray]:
+    """Rounds and their fingerprint. Pacing (see schedule.py) wins on large uniform plans and can
+    lose on small ones where a few rounds decide; small plans are scheduled both ways."""
+    n_buckets = sum(len(b) for _, _, b in packed)
+    best: tuple[float, list[list[Bucket]], np.ndarray] | None = None
+    for pacing in (True, False) if n_buckets <= BOTH_PACINGS_MAX_BUCKETS else (True,):
+        queues = [direct_queue(s, d, buckets) for s, d, buckets in packed]
+        relays = _relay.relay_queues(chains, queues)
+        rounds = schedule_rounds(
+            queues, len(ranks), config.round_bytes, config.max_fan_in, relays, pacing=pacing
+        )
+        schedule = _fingerprint(rounds)
+        predicted = predict_seconds_arrays(schedule_arrays(ranks, schedule, len(rounds)), config.cost)
+        if best is None or predicted < best[0]:
+            best = (predicted, rounds, schedule)
+    assert best is not None
+    return best[1], best[2]
 
 
 def _transfers(

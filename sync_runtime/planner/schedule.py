@@ -8,7 +8,10 @@ bytes, and receives from at most `max_fan_in` distinct senders). Each round is f
 by receiver, most remaining bytes first, so the ranks that bound the plan's length are served
 every round. A receiver takes from its pairs that can fill a round's capacity first (so small
 pairs do not spend its fan-in slots), among those from the sender with the most bytes left
-(the critical sender), until its capacity or fan-in is used.
+(the critical sender), until its capacity or fan-in is used. A round lasts as long as its busiest
+rank, so once a receiver has been filled (no further largest bucket fits), later receivers of the round
+(which have fewer bytes left) are held to the bytes it got: a receiver that runs ahead only makes
+this round longer, it cannot make the plan shorter.
 
 Relay: a relayed destination rank receives, from the same position of an earlier replica (its
 forwarder), a copy of every bucket the forwarder receives, in the round after the forwarder got
@@ -87,9 +90,18 @@ class _Relays:
 
 
 def schedule_rounds(
-    queues: Iterable[PairQueue], n_ranks: int, cap: int, max_fan_in: int, relays: Sequence[PairQueue] = ()
+    queues: Iterable[PairQueue],
+    n_ranks: int,
+    cap: int,
+    max_fan_in: int,
+    relays: Sequence[PairQueue] = (),
+    *,
+    pacing: bool = True,
 ) -> list[list[Bucket]]:
-    """Assign every bucket to a round (see the module docstring). Buckets must each be <= cap."""
+    """Assign every bucket to a round (see the module docstring). Buckets must each be <= cap.
+
+    `pacing` holds a round's later receivers to the first full one's bytes.
+    """
     send_left = [0] * n_ranks
     recv_left = [0] * n_ranks
     by_dst: dict[int, list[PairQueue]] = {}
@@ -103,6 +115,8 @@ def schedule_rounds(
     for q in relays:
         forwarders.setdefault(q.src, []).append(q)
     relay = _Relays(forwarders)
+    # A receiver holding this much could not take one more of the largest buckets: it is full.
+    full_at = max(1, cap - max((b.nbytes for q in by_dst_queues(by_dst) for b in q.buckets), default=0))
     rounds: list[list[Bucket]] = []
     changed: set[int] = set()
     """Receivers whose pairs changed since the last full re-sort."""
@@ -110,12 +124,15 @@ def schedule_rounds(
         index = len(rounds)
         current: list[Bucket] = []
         send_used: dict[int, int] = {}
+        pace = 0  # most bytes a receiver got this round; see the module docstring
         for dst in sorted(by_dst, key=lambda d: (-recv_left[d], d)):
             pending = by_dst[dst]
             if index % RESORT_EVERY == 0 or dst in changed:
                 pending.sort(key=lambda q: (-min(q.remaining, cap), -send_left[q.src], q.src))
                 changed.discard(dst)
-            used, finished = _fill_receiver(pending, index, cap, max_fan_in, send_used, current)
+            limit = pace if pacing and pace >= full_at else cap
+            used, finished = _fill_receiver(pending, index, limit, max_fan_in, send_used, current)
+            pace = max(pace, used)
             recv_left[dst] -= used
             if finished:
                 pending[:] = [q for q in pending if q.pos < q.total]
@@ -129,6 +146,10 @@ def schedule_rounds(
                 relay.scheduled(b, index)
         rounds.append(current)
     return rounds
+
+
+def by_dst_queues(by_dst: Mapping[int, list[PairQueue]]) -> Iterable[PairQueue]:
+    return (q for queues in by_dst.values() for q in queues)
 
 
 def _fill_receiver(
@@ -148,7 +169,7 @@ def _fill_receiver(
     used = fan = misses = 0
     finished = False
     for q in pending:
-        if fan == max_fan_in or used == cap or misses > MAX_MISSES:
+        if fan == max_fan_in or used == cap or misses > MAX_MISSES:  # cap: this receiver's limit
             break
         sent = send_used.get(q.src, 0)
         pos, buckets, ready = q.pos, q.buckets, q.ready

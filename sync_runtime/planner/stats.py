@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from sync_runtime.cost import BucketArrays, LinkCost, floor_seconds_arrays, predict_seconds_arrays
 from sync_runtime.plan import SyncPlan
+from sync_runtime.topology import RankCoord
 
 
 def _max_mean(per_rank: np.ndarray) -> tuple[int, float]:
     active = per_rank[per_rank > 0]
     return (int(active.max()), float(active.mean())) if len(active) else (0, 0.0)
+
+
+def schedule_arrays(ranks: Sequence[RankCoord], schedule: np.ndarray, n_rounds: int) -> BucketArrays:
+    """The cost model's view of a schedule fingerprint (per bucket: round, src, dst, bytes, ...)."""
+    node_index: dict[str, int] = {}
+    node = np.array([node_index.setdefault(c.node, len(node_index)) for c in ranks], dtype=np.int64)
+    rnd, src, dst, nbytes = schedule[:, 0], schedule[:, 1], schedule[:, 2], schedule[:, 3]
+    return BucketArrays(rnd, src, dst, nbytes, node[src] == node[dst], len(ranks), n_rounds)
 
 
 def plan_stats(plan: SyncPlan, schedule: np.ndarray, tensors: int, lower_bound: int, cost: LinkCost) -> dict:
@@ -20,10 +31,8 @@ def plan_stats(plan: SyncPlan, schedule: np.ndarray, tensors: int, lower_bound: 
     the balance figures.
     """
     n = len(plan.ranks)
-    node_index: dict[str, int] = {}
-    node = np.array([node_index.setdefault(c.node, len(node_index)) for c in plan.ranks], dtype=np.int64)
-    rnd, src, dst, nbytes = schedule[:, 0], schedule[:, 1], schedule[:, 2], schedule[:, 3]
-    arrays = BucketArrays(rnd, src, dst, nbytes, node[src] == node[dst], n, len(plan.rounds))
+    arrays = schedule_arrays(plan.ranks, schedule, len(plan.rounds))
+    src, dst, nbytes = arrays.src_rank, arrays.dst_rank, arrays.nbytes
     send = np.bincount(src, weights=nbytes, minlength=n).astype(np.int64)
     recv = np.bincount(dst, weights=nbytes, minlength=n).astype(np.int64)
     max_send, mean_send = _max_mean(send)
