@@ -189,55 +189,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_table(summary: dict[str, Any], model: str, plot: str | None) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} TiB"
 
-    def gib(n: float) -> str:
-        for unit in ("B", "KiB", "MiB", "GiB"):
-            if n < 1024:
-                return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-            n /= 1024
-        return f"{n:,.2f} TiB"
 
-    def ratio(a: float, b: float) -> str:
-        return f"{a / b:.3f}" if b else "-"
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "-"
 
-    s = summary
-    table = Table(title=f"weightsync plan: {model}", show_header=False)
-    table.add_column("figure", style="bold")
-    table.add_column("value")
-    rows = [
+
+def table_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The human summary of `plan_summary`'s figures, as (label, value) rows."""
+    return [
         ("source", s["source"]),
         ("destinations", ", ".join(s["destinations"])),
         ("tensors", f"{s['tensors']:,}"),
-        ("model bytes", gib(s["model_bytes"])),
+        ("model bytes", _size(s["model_bytes"])),
         ("ranks src / dst", f"{s['src_ranks']} / {s['dst_ranks']}"),
         ("transfers / buckets", f"{s['transfers']:,} / {s['buckets']:,}"),
         ("rounds", f"{s['rounds']:,}"),
-        ("wire / lower bound", f"{gib(s['wire_bytes'])} / {gib(s['lower_bound_bytes'])}"),
+        ("wire / lower bound", f"{_size(s['wire_bytes'])} / {_size(s['lower_bound_bytes'])}"),
         (
             "send max / mean",
-            f"{gib(s['max_send_bytes'])} / {gib(s['mean_send_bytes'])} "
-            f"({ratio(s['max_send_bytes'], s['mean_send_bytes'])})",
+            f"{_size(s['max_send_bytes'])} / {_size(s['mean_send_bytes'])} "
+            f"({_ratio(s['max_send_bytes'], s['mean_send_bytes'])})",
         ),
         (
             "recv max / mean",
-            f"{gib(s['max_recv_bytes'])} / {gib(s['mean_recv_bytes'])} "
-            f"({ratio(s['max_recv_bytes'], s['mean_recv_bytes'])})",
+            f"{_size(s['max_recv_bytes'])} / {_size(s['mean_recv_bytes'])} "
+            f"({_ratio(s['max_recv_bytes'], s['mean_recv_bytes'])})",
         ),
         (
             "predicted / floor",
             f"{s['predicted_seconds']:.3f} s / {s['floor_seconds']:.3f} s "
-            f"({ratio(s['predicted_seconds'], s['floor_seconds'])})",
+            f"({_ratio(s['predicted_seconds'], s['floor_seconds'])})",
         ),
         ("relay", "on" if s["relay"] else "off"),
         ("plan time", f"{s['plan_seconds']:.2f} s"),
         ("digest", s["digest"][:16]),
     ]
-    if plot:
-        rows.append(("heatmap", plot))
-    for name, value in rows:
+
+
+def print_table(summary: dict[str, Any], model: str, plot: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"weightsync plan: {model}", show_header=False)
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    for name, value in table_rows(summary) + ([("heatmap", plot)] if plot else []):
         table.add_row(name, value)
     Console().print(table)
 

@@ -102,15 +102,7 @@ def schedule_rounds(
 
     `pacing` holds a round's later receivers to the first full one's bytes.
     """
-    send_left = [0] * n_ranks
-    recv_left = [0] * n_ranks
-    by_dst: dict[int, list[PairQueue]] = {}
-    for q in [*queues, *relays]:
-        if q.total == 0:
-            continue
-        by_dst.setdefault(q.dst, []).append(q)
-        send_left[q.src] += q.remaining
-        recv_left[q.dst] += q.remaining
+    by_dst, send_left, recv_left = _index(queues, relays, n_ranks)
     forwarders: dict[int, list[PairQueue]] = {}
     for q in relays:
         forwarders.setdefault(q.src, []).append(q)
@@ -146,6 +138,22 @@ def schedule_rounds(
                 relay.scheduled(b, index)
         rounds.append(current)
     return rounds
+
+
+def _index(
+    queues: Iterable[PairQueue], relays: Sequence[PairQueue], n_ranks: int
+) -> tuple[dict[int, list[PairQueue]], list[int], list[int]]:
+    """Pairs by receiver, and the bytes every rank has left to send and to receive."""
+    send_left = [0] * n_ranks
+    recv_left = [0] * n_ranks
+    by_dst: dict[int, list[PairQueue]] = {}
+    for q in [*queues, *relays]:
+        if q.total == 0:
+            continue
+        by_dst.setdefault(q.dst, []).append(q)
+        send_left[q.src] += q.remaining
+        recv_left[q.dst] += q.remaining
+    return by_dst, send_left, recv_left
 
 
 def by_dst_queues(by_dst: Mapping[int, list[PairQueue]]) -> Iterable[PairQueue]:
