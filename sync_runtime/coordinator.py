@@ -37,10 +37,10 @@ from sync_runtime.report import (
 )
 from sync_runtime.runtime_ops import (
     StepFailed,
+    backend_for,
     call_all,
     discover_all,
     drive_transfer,
-    transfer_config,
 )
 from sync_runtime.topology import Role
 
@@ -111,6 +111,11 @@ class Coordinator:
             if e.failure.step in (SyncStep.CONNECT, SyncStep.TRANSFER, SyncStep.VERIFY, SyncStep.COMMIT):
                 self._invalidate_group()
             report = self._report(att, e.failure)
+        except Exception as e:  # a bug or an unexpected Ray error: report it, keep the loop alive
+            log.exception("sync %s failed unexpectedly", att.version)
+            self._invalidate_group()
+            failure = SyncFailure(reason="InternalError", message=f"{type(e).__name__}: {e}"[:2000])
+            report = self._report(att, failure)
         self.reporter.finished(report)
         return report
 
@@ -220,7 +225,7 @@ class Coordinator:
         session.syncs = 0
         host, port = self._ensure_store()
         tr, world = self.spec.transport, len(session.participants)
-        backend = transfer_config(tr, session.participants[0]).backend
+        backend = backend_for(session.participants, tr)
         calls = [
             (
                 p,

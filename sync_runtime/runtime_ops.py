@@ -262,6 +262,7 @@ def drive_transfer(
     results: dict[int, RankResult] = {}
     failures: list[tuple[int, SyncFailure]] = []
     pending = list(refs)
+    reported = -1
     while pending and time.monotonic() < deadline:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         for r in ready:
@@ -269,11 +270,15 @@ def drive_transfer(
             outcome = _outcome(r, rank, ps[rank])
             if isinstance(outcome, SyncFailure):
                 failures.append((_priority(outcome), outcome))
-                if outcome.reason in ("ParticipantDied", "RemoteCallFailed"):
-                    mark_failed(store, session, session.syncs, outcome, transport.transfer_timeout_seconds)
+                # Idempotent (first writer wins); covers ranks that died or failed before the
+                # engine could publish their failure, so the others stop within a poll interval.
+                mark_failed(store, session, session.syncs, outcome, transport.transfer_timeout_seconds)
             else:
                 results[rank] = outcome
-        on_progress(_progress(store, keys, results))
+        done = _progress(store, keys, results)
+        if done != reported:
+            on_progress(done)
+            reported = done
     for r in pending:
         rank = refs[r]
         hung = SyncFailure(
