@@ -36,7 +36,7 @@ TIMEOUT_S = 300.0
 # A llama whose heads split 3 ways and 2 ways (nh=24, nkv=6), about 400 MB in bf16.
 MID_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1536,
-    "intermediate_size": 4096, "num_hidden_layers": 4, "num_attention_heads": 24,
+    "intermediate_size": 4608, "num_hidden_layers": 4, "num_attention_heads": 24,
     "num_key_value_heads": 6, "head_dim": 64, "vocab_size": 32000, "tie_word_embeddings": False,
 }  # fmt: skip
 TINY_LLAMA_12 = {**MID_LLAMA, "hidden_size": 96, "intermediate_size": 192, "num_attention_heads": 12,

@@ -51,14 +51,20 @@ def _region_view(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype
     return buf[offset : offset + t.nbytes].view(dtype).view(box_shape(box))
 
 
-def pack_bucket(bucket: Bucket, source: TensorLookup, device: torch.device) -> torch.Tensor:
+def pack_bucket(
+    bucket: Bucket, source: TensorLookup, device: torch.device, pool: BufferPool | None = None
+) -> torch.Tensor:
     """Copy every transfer's source region into a fresh message buffer and append the checksums.
 
     The checksum is taken on the packed bytes: they are the source region's elements in
     row-major order, byte for byte, and already contiguous (no second copy of the region).
     """
     layout = message_layout(bucket)
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    buf = (
+        pool.get(layout.nbytes, device)
+        if pool
+        else torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    )
     sums = []
     for t, off in zip(bucket.transfers, layout.offsets, strict=True):
         src = source(t.src_name)
@@ -69,8 +75,8 @@ def pack_bucket(bucket: Bucket, source: TensorLookup, device: torch.device) -> t
     return buf
 
 
-def empty_message(bucket: Bucket, device: torch.device) -> torch.Tensor:
-    return torch.empty(message_layout(bucket).nbytes, dtype=torch.uint8, device=device)
+def empty_message(bucket: Bucket, device: torch.device, pool: BufferPool) -> torch.Tensor:
+    return pool.get(message_layout(bucket).nbytes, device)
 
 
 def unpack_bucket(bucket: Bucket, buf: torch.Tensor, staged: TensorLookup) -> list[Transfer]:
@@ -89,3 +95,36 @@ def unpack_bucket(bucket: Bucket, buf: torch.Tensor, staged: TensorLookup) -> li
         if checksum_tensor(region) != want:
             bad.append(t)
     return bad
+
+
+class BufferPool:
+    """Message buffers kept across buckets, rounds and syncs (one pool per SyncGroup).
+
+    A fresh multi-MB host buffer is page-faulted on first touch, which cost as much as the
+    copy into it; on the warm path the plan and its bucket sizes repeat, so buffers are reused
+    by exact size. Only buffers whose message completed come back, never ones a failed
+    transfer may still write to. Free buffers are capped at `max_free_bytes`.
+    """
+
+    def __init__(self, max_free_bytes: int = 1 << 30) -> None:
+        self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self._free_bytes = 0
+        self.max_free_bytes = max_free_bytes
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        stack = self._free.get((nbytes, device))
+        if stack:
+            self._free_bytes -= nbytes
+            return stack.pop()
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def put(self, buf: torch.Tensor) -> None:
+        nbytes = buf.numel()
+        if self._free_bytes + nbytes > self.max_free_bytes:
+            return  # over the cap: let the allocator have it back
+        self._free.setdefault((nbytes, buf.device), []).append(buf)
+        self._free_bytes += nbytes
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._free_bytes = 0

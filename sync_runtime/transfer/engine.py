@@ -93,7 +93,7 @@ class _Executor:
 
     def _pack(self, round_index: int, j: int, bucket: Bucket) -> torch.Tensor:
         self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
-        buf = pack_bucket(bucket, self._source, self.device)
+        buf = pack_bucket(bucket, self._source, self.device, self.group.buffers)
         if testing.HOOKS.after_pack is not None:
             testing.HOOKS.after_pack(round_index, bucket, buf)
         return buf
@@ -113,7 +113,9 @@ class _Executor:
         self.where = f"round {i} (posting)"
         flight = _Round(i)
         recv_buckets, send_buckets = self.plan.recvs[i], self.plan.sends[i]
-        flight.recv_bufs = {j: empty_message(b, self.device) for j, b in enumerate(recv_buckets)}
+        flight.recv_bufs = {
+            j: empty_message(b, self.device, self.group.buffers) for j, b in enumerate(recv_buckets)
+        }
         rtags, stags = _tags(recv_buckets, i, "src"), _tags(send_buckets, i, "dst")
         recvs = [(b.src_rank, flight.recv_bufs[j], rtags[j]) for j, b in enumerate(recv_buckets)]
         if self.group.kind == "nccl":  # one coalesced group: every send must be packed first
@@ -181,7 +183,7 @@ class _Executor:
         if kind in ("send", "round"):
             for k in [j] if kind == "send" else list(flight.send_bufs):
                 self.send_bytes += self.plan.sends[flight.index][k].nbytes
-                flight.send_bufs.pop(k, None)  # free as soon as the wire is done with it
+                self.group.buffers.put(flight.send_bufs.pop(k))  # reusable as soon as the wire is done
         if self.on_progress is not None:
             self.on_progress(self.send_bytes + self.recv_bytes, self.total_bytes)
 
@@ -189,7 +191,9 @@ class _Executor:
         bucket = self.plan.recvs[flight.index][j]
         self.where = f"round {flight.index} (unpacking bucket from rank {bucket.src_rank})"
         assert self.destination is not None
-        bad = unpack_bucket(bucket, flight.recv_bufs.pop(j), self.destination.staged)
+        buf = flight.recv_bufs.pop(j)
+        bad = unpack_bucket(bucket, buf, self.destination.staged)
+        self.group.buffers.put(buf)
         if bad:
             t = bad[0]
             raise TransferError(
@@ -238,7 +242,7 @@ def run_rank_plan(
         ex.run()
         group.finish(sync_id, config.timeout_s, last_round=len(plan.sends) - 1)
     except Exception as e:
-        message, step = _describe_failure(e, plan.rank, ex.where)
+        message, step = _describe_failure(e, plan.rank, ex.where, _peer_failure(group, sync_id))
         group.report_failure(sync_id, message)
         if ex.waiter is not None:  # a Work may still be in flight; the group keeps it until close()
             ex.waiter.abandon()
@@ -270,10 +274,24 @@ def _preflight(
         raise TransferError(f"rank {plan.rank}: destination.begin(version) was not called (step transfer)")
 
 
-def _describe_failure(e: Exception, rank: int, where: str) -> tuple[str, str]:
+def _peer_failure(group: SyncGroup, sync_id: int) -> tuple[int, str] | None:
+    try:
+        return group.peer_failure(sync_id)
+    except Exception:
+        return None  # the store itself is gone; describe the local error
+
+
+def _describe_failure(e: Exception, rank: int, where: str, peer: tuple[int, str] | None) -> tuple[str, str]:
     step = "plan" if isinstance(e, PlanMismatchError) else getattr(e, "step", "transfer")
     if isinstance(e, TransferError):
         return str(e), step
+    if peer is not None and not isinstance(e, PlanMismatchError):
+        # e.g. posting to a peer that already failed and closed its connections: name the cause.
+        who, why = peer
+        return (
+            f"rank {rank}: aborted in {where} (step transfer): peer rank {who} failed: {why} [local: {e}]",
+            step,
+        )
     # PlanMismatchError names rank, tensor and box; add where it happened, like the rest.
     kind = "" if isinstance(e, PlanMismatchError) else f"unexpected {type(e).__name__}: "
     return f"rank {rank}: {where}, no peer (step {step}): {kind}{e}", step

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sync_runtime.transfer.buffers import BufferPool
 from sync_runtime.transfer.config import TransferError
 
 _END_OK = "ok"
@@ -59,6 +60,8 @@ class SyncGroup:
         self.healthy = True
         """False after any failed sync: close() and reconnect; a group that saw a failure is not reused."""
         self._syncs = 0
+        self.buffers = BufferPool()
+        """Message buffers reused across syncs (the warm path repeats the plan's bucket sizes)."""
         self._orphans: list[threading.Thread] = []
         self._closed = False
 
@@ -208,6 +211,7 @@ class SyncGroup:
             return
         self._closed = True
         self.healthy = False
+        self.buffers.clear()
         orphans, self._orphans = [t for t in self._orphans if t.is_alive()], []
         if not orphans:
             _shutdown(self.backend, self.kind)
