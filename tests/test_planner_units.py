@@ -240,3 +240,52 @@ def test_tensor_no_source_rank_holds_is_named() -> None:
             PlannerConfig(),
             layout_lookup=lookup,
         )
+
+
+# ---- whole plans: placement and relay choice ---------------------------------------------------
+
+
+def _placed(spec: ParallelSpec, role: Role, nodes: list[str], layout: str) -> SideSpec:
+    coords = enumerate_ranks(spec, role)
+    return SideSpec(
+        layout, spec, tuple(dataclasses.replace(c, node=n) for c, n in zip(coords, nodes, strict=True))
+    )
+
+
+def test_colocated_copies_send_to_their_own_node() -> None:
+    """Two DP copies on nodes a and b, two replicas on a and b: every byte stays on its node."""
+    manifest = build_manifest(load_model_config("tiny-llama"))
+    source = _placed(ParallelSpec(tp=1, dp=2), Role.SOURCE, ["a", "b"], "hf")
+    dest = _placed(ParallelSpec(tp=1, replicas=2), Role.DESTINATION, ["a", "b"], "vllm")
+    plan = plan_sync(manifest, source, [dest], PlannerConfig())
+    nodes = [c.node for c in plan.ranks]
+    assert all(nodes[b.src_rank] == nodes[b.dst_rank] for r in plan.rounds for b in r.buckets)
+    assert plan.stats["max_send_bytes"] == plan.stats["mean_send_bytes"]
+
+
+def test_auto_relay_when_the_source_is_the_bottleneck() -> None:
+    manifest = build_manifest(load_model_config("tiny-llama"))
+    _, source, _ = _sides("tiny-llama", "tp=2", "tp=2")
+    many = SideSpec(
+        "vllm",
+        ParallelSpec(tp=2, replicas=6),
+        tuple(enumerate_ranks(ParallelSpec(tp=2, replicas=6), Role.DESTINATION)),
+    )
+    config = PlannerConfig(bucket_bytes=4096, staging_budget_bytes=16384)
+    off = plan_sync(manifest, source, [many], config)
+    auto = plan_sync(manifest, source, [many], dataclasses.replace(config, relay="auto"))
+    assert auto.relay and not off.relay
+    assert auto.stats["predicted_seconds"] < off.stats["predicted_seconds"]
+    assert auto.stats["max_send_bytes"] < off.stats["max_send_bytes"]
+    assert auto.digest != off.digest
+
+
+def test_auto_relay_off_when_destinations_are_the_bottleneck() -> None:
+    manifest, source, _ = _sides("tiny-llama", "tp=2,dp=4", "tp=1")
+    dest = SideSpec(
+        "vllm",
+        ParallelSpec(tp=1, replicas=2),
+        tuple(enumerate_ranks(ParallelSpec(tp=1, replicas=2), Role.DESTINATION)),
+    )
+    plan = plan_sync(manifest, source, [dest], PlannerConfig(relay="auto"))
+    assert not plan.relay

@@ -67,19 +67,20 @@ class SenderChooser:
             for ranks in split.groups:
                 receivers[ranks] = receivers.get(ranks, 0) + 1
         choices: list[list[int]] = []
-        # (-bytes, instance, holder set, need index or -1 for the whole group)
-        items: list[tuple[int, int, tuple[int, ...], int]] = []
+        # (-bytes, need index or -1 for a whole group, instance, holder set): equal sizes alternate
+        # between receivers, so a run of one receiver's equal items cannot drift the loads apart.
+        items: list[tuple[int, int, int, tuple[int, ...]]] = []
         for inst, ((_, needs), split) in enumerate(zip(instances, splits, strict=True)):
             for rank, nbytes in split.forced.items():
                 self.loads[rank] += nbytes
             choices.append([0] * len(needs))
             for ranks, members in split.groups.items():
                 if receivers[ranks] >= COARSE_FACTOR * len(ranks):
-                    items.append((-split.group_bytes[ranks], inst, ranks, -1))
+                    items.append((-split.group_bytes[ranks], -1, inst, ranks))
                 else:
-                    items.extend((-needs[i].nbytes, inst, ranks, i) for i in members)
+                    items.extend((-needs[i].nbytes, i, inst, ranks) for i in members)
         items.sort()
-        for neg_bytes, inst, ranks, i in items:
+        for neg_bytes, i, inst, ranks in items:
             best = self._pick(ranks, instances[inst][0], -neg_bytes)
             chosen = choices[inst]
             for j in splits[inst].groups[ranks] if i < 0 else (i,):
