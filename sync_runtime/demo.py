@@ -1,5 +1,5 @@
-"""`weightsync demo`: a real sync between sharded Ray actors on one machine, plus the helpers
-tests and end-to-end checks reuse (create seeded participants, "train a step", verify).
+"""`weightsync demo`: a real sync between sharded Ray actors on one machine (helpers that tests
+and end-to-end checks reuse live in demo_cluster and are re-exported here).
 
 Default run: an embedded Ray cluster, a tiny Qwen3-MoE with seeded random bf16 weights, Megatron
 sources (tp=2,pp=2,ep=2) and two vLLM replicas (tp=2,ep=2) holding stale weights; a cold sync,
@@ -15,248 +15,49 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import ray
 from rich.console import Console
 
 from sync_runtime.console import ConsoleReporter, human_bytes, summary_table
 from sync_runtime.coordinator import Coordinator
-from sync_runtime.crd import DeploymentRef, Parallelism, Transport, WeightSyncSpec
-from sync_runtime.demo_weights import (
-    DemoDestination,
-    DemoSource,
-    expected_sha256,
-    model_config,
-    reference_weights,
+from sync_runtime.crd import Transport
+from sync_runtime.demo_cluster import (
+    DEFAULT_MODEL,
+    DEFAULT_NAMESPACE,
+    DemoSetup,
+    connect,
+    create_participants,
+    destination_name,
+    destination_participants,
+    kill_participants,
+    source_name,
+    start_local_ray,
+    train_step,
+    verify_destinations,
+    weightsync_spec,
 )
-from sync_runtime.discovery import Participant, find_actors, gather
-from sync_runtime.manifest import Manifest
-from sync_runtime.models import build_manifest
+from sync_runtime.demo_weights import reference_weights
 from sync_runtime.report import SyncReport, SyncResult
-from sync_runtime.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 
-DEFAULT_MODEL = "tiny-qwen3-moe"
-DEFAULT_NAMESPACE = "weightsync-demo"
-READY_TIMEOUT_S = 180.0
-"""Actor start-up on a loaded 2-core machine: each worker imports torch."""
-
-
-@dataclass(kw_only=True)
-class DemoSetup:
-    """Everything that defines a demo deployment pair: model, topologies, seed, where the actors live."""
-
-    model: str
-    config: dict[str, Any]
-    manifest: Manifest
-    src: ParallelSpec
-    dst: ParallelSpec
-    seed: int = 0
-    namespace: str = DEFAULT_NAMESPACE
-    src_prefix: str = "trainer-"
-    dst_prefix: str = "infer-"
-    handles: list[Any] = field(default_factory=list)
-
-    @classmethod
-    def create(
-        cls,
-        model: str = DEFAULT_MODEL,
-        src: str | ParallelSpec = "tp=2,pp=2,ep=2",
-        dst: str | ParallelSpec = "tp=2,ep=2,replicas=2",
-        **kw: Any,
-    ) -> DemoSetup:
-        config = model_config(model)
-        return cls(
-            model=model,
-            config=config,
-            manifest=build_manifest(config),
-            src=src if isinstance(src, ParallelSpec) else ParallelSpec.parse(src),
-            dst=dst if isinstance(dst, ParallelSpec) else ParallelSpec.parse(dst),
-            **kw,
-        )
-
-
-def source_name(prefix: str, c: RankCoord) -> str:
-    return f"{prefix}src-pp{c.pp_rank}-dp{c.dp_rank}-tp{c.tp_rank}"
-
-
-def destination_name(prefix: str, c: RankCoord) -> str:
-    return f"{prefix}r{c.replica}-pp{c.pp_rank}-tp{c.tp_rank}"
-
-
-def start_local_ray(num_cpus: int = 2, namespace: str = DEFAULT_NAMESPACE) -> str:
-    """An embedded Ray cluster sized for CI (no dashboard, small object store); returns its address."""
-    if not ray.is_initialized():
-        ray.init(
-            address="local",  # always a fresh cluster: never join one another process started here
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            object_store_memory=128 << 20,
-            namespace=namespace,
-            logging_level="WARNING",
-            log_to_driver=False,
-        )
-    return ray.get_runtime_context().gcs_address
-
-
-def connect(address: str, namespace: str) -> None:
-    """Join an existing cluster as a driver (token auth: RAY_AUTH_MODE/RAY_AUTH_TOKEN in the env)."""
-    if not ray.is_initialized():
-        ray.init(address=address, namespace=namespace, logging_level="WARNING", log_to_driver=False)
-
-
-ClassFor = Callable[[RankCoord], type]
-
-
-def create_participants(
-    setup: DemoSetup,
-    *,
-    src_version: str,
-    dst_version: str,
-    detached: bool = False,
-    source_class: ClassFor | None = None,
-    dest_class: ClassFor | None = None,
-    skip: Callable[[RankCoord], bool] | None = None,
-) -> list[Any]:
-    """Start one named actor per rank and wait until all are ready.
-
-    Sources hold the weights of `src_version`, destinations those of `dst_version`.
-
-    `source_class`/`dest_class` pick a class per rank (tests use faulty subclasses); `skip`
-    leaves ranks out (tests of a missing rank).
-    """
-    specs = [
-        (
-            c,
-            source_name(setup.src_prefix, c),
-            (source_class or (lambda _: DemoSource))(c),
-            setup.src,
-            src_version,
-        )
-        for c in enumerate_ranks(setup.src, Role.SOURCE, gpus_per_node=1 << 20)
-    ] + [
-        (
-            c,
-            destination_name(setup.dst_prefix, c),
-            (dest_class or (lambda _: DemoDestination))(c),
-            setup.dst,
-            dst_version,
-        )
-        for c in enumerate_ranks(setup.dst, Role.DESTINATION, gpus_per_node=1 << 20)
-    ]
-    handles = []
-    for coord, name, cls, spec, version in specs:
-        if skip is not None and skip(coord):
-            continue
-        # Real placement comes from the actor itself (node IP, CPU device), not from enumerate_ranks.
-        coord = RankCoord(
-            role=coord.role,
-            replica=coord.replica,
-            tp_rank=coord.tp_rank,
-            pp_rank=coord.pp_rank,
-            dp_rank=coord.dp_rank,
-            ep_rank=coord.ep_rank,
-            etp_rank=coord.etp_rank,
-            edp_rank=coord.edp_rank,
-        )
-        options: dict[str, Any] = {"name": name, "namespace": setup.namespace, "num_cpus": 0}
-        if detached:
-            options["lifetime"] = "detached"
-        actor = ray.remote(cls).options(**options).remote(setup.config, spec, coord, setup.seed, version)
-        handles.append(actor)
-    ready, pending = ray.wait(
-        [h.ws_version.remote() for h in handles], num_returns=len(handles), timeout=READY_TIMEOUT_S
-    )
-    if pending:
-        raise TimeoutError(f"{len(pending)} participant(s) not ready within {READY_TIMEOUT_S:g}s")
-    ray.get(ready)  # surfaces constructor errors
-    setup.handles.extend(handles)
-    return handles
-
-
-def weightsync_spec(
-    setup: DemoSetup,
-    version: str,
-    *,
-    address: str,
-    transport: Transport | None = None,
-    src: ParallelSpec | None = None,
-    dst: ParallelSpec | None = None,
-) -> WeightSyncSpec:
-    """The WeightSync the demo (or a test) runs; `src`/`dst` override the declared parallelism."""
-
-    def ref(name: str, prefix: str, layout: str, spec: ParallelSpec) -> DeploymentRef:
-        par = Parallelism(
-            tp=spec.tp,
-            pp=spec.pp,
-            dp=spec.dp,
-            ep=spec.ep,
-            etp=spec.etp,
-            vpp=spec.vpp,
-            replicas=spec.replicas,
-            layer_counts=list(spec.layer_counts) if spec.layer_counts else None,
-        )
-        return DeploymentRef(
-            name=name,
-            ray_address=address,
-            ray_namespace=setup.namespace,
-            actor_prefix=prefix,
-            layout=layout,
-            parallelism=par,
-        )
-
-    return WeightSyncSpec(
-        source=ref("trainer", setup.src_prefix, "megatron", src or setup.src),
-        destinations=[ref("inference", setup.dst_prefix, "vllm", dst or setup.dst)],
-        version=version,
-        model=setup.model,
-        transport=transport or Transport(),
-    )
-
-
-def train_step(setup: DemoSetup, version: str) -> None:
-    """Every source regenerates the seeded weights of `version` in place."""
-    actors = find_actors(setup.namespace, setup.src_prefix)
-    ray.get([h.ws_set_version_weights.remote(setup.seed, version) for _, h in actors])
-
-
-def destination_participants(setup: DemoSetup, timeout_s: float = 60.0) -> list[Participant]:
-    ref = DeploymentRef(
-        name="inference",
-        ray_address="-",
-        ray_namespace=setup.namespace,
-        actor_prefix=setup.dst_prefix,
-        layout="vllm",
-    )
-    found = gather(ref, timeout_s)
-    return sorted(found, key=lambda p: p.meta.coord.key)
-
-
-def verify_destinations(setup: DemoSetup, version: str) -> list[str]:
-    """Problems found (empty = every destination rank holds exactly version `version`, bit for bit)."""
-    problems = []
-    participants = destination_participants(setup)
-    sums = ray.get([p.handle.ws_sha256.remote() for p in participants])
-    for p, got in zip(participants, sums, strict=True):
-        if p.meta.version != version:
-            problems.append(f"{p.name}: version {p.meta.version!r}, expected {version!r}")
-        want = expected_sha256(setup.manifest, "vllm", setup.dst, p.meta.coord, setup.seed, version)
-        bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
-        if bad:
-            problems.append(f"{p.name}: {len(bad)} tensor(s) differ from the reference, e.g. {bad[0]}")
-    expected_ranks = setup.dst.world_size
-    if len(participants) != expected_ranks:
-        problems.append(f"found {len(participants)} destination ranks, expected {expected_ranks}")
-    return problems
-
-
-def kill_participants(setup: DemoSetup) -> None:
-    for h in setup.handles:
-        ray.kill(h, no_restart=True)
-    setup.handles.clear()
+__all__ = [
+    "DEFAULT_MODEL",
+    "DemoSetup",
+    "add_arguments",
+    "create_participants",
+    "destination_name",
+    "destination_participants",
+    "kill_participants",
+    "run",
+    "source_name",
+    "start_local_ray",
+    "train_step",
+    "verify_destinations",
+    "weightsync_spec",
+]
+"""Re-exported for tests and end-to-end checks: `from sync_runtime.demo import ...`."""
 
 
 # ---- the CLI -------------------------------------------------------------------------------

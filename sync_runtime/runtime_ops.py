@@ -261,38 +261,41 @@ def drive_transfer(
     deadline = time.monotonic() + transport.transfer_timeout_seconds + margin
     results: dict[int, RankResult] = {}
     failures: list[tuple[int, SyncFailure]] = []
-    pending = list(refs)
-    reported = -1
+
+    def fail(priority: int, failure: SyncFailure) -> None:
+        failures.append((priority, failure))
+        # Idempotent (first writer wins); covers ranks that died, hang, or failed before the
+        # engine could publish their failure, so the others stop within one poll interval.
+        mark_failed(store, session, session.syncs, failure, transport.transfer_timeout_seconds)
+
+    pending, reported = list(refs), -1
     while pending and time.monotonic() < deadline:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         for r in ready:
-            rank = refs[r]
-            outcome = _outcome(r, rank, ps[rank])
+            outcome = _outcome(r, refs[r], ps[refs[r]])
             if isinstance(outcome, SyncFailure):
-                failures.append((_priority(outcome), outcome))
-                # Idempotent (first writer wins); covers ranks that died or failed before the
-                # engine could publish their failure, so the others stop within a poll interval.
-                mark_failed(store, session, session.syncs, outcome, transport.transfer_timeout_seconds)
+                fail(_priority(outcome), outcome)
             else:
-                results[rank] = outcome
+                results[refs[r]] = outcome
         done = _progress(store, keys, results)
         if done != reported:
             on_progress(done)
             reported = done
     for r in pending:
-        rank = refs[r]
-        hung = SyncFailure(
-            reason="TransferTimeout",
-            rank=rank,
-            step=SyncStep.TRANSFER,
-            message=f"rank {rank} ({ps[rank].name}) did not finish within "
-            f"{transport.transfer_timeout_seconds}s (+{margin:g}s margin)",
-        )
-        failures.append((2, hung))  # hung while the others gave up on it: the likely root cause
-        mark_failed(store, session, session.syncs, hung, transport.transfer_timeout_seconds)
+        fail(2, _hung(refs[r], ps[refs[r]], transport.transfer_timeout_seconds, margin))
     if failures:
         raise StepFailed(min(failures, key=lambda f: f[0])[1], frozenset(refs[r] for r in pending))
     return [results[rank] for rank in range(len(ps))]
+
+
+def _hung(rank: int, p: Participant, timeout_s: float, margin: float) -> SyncFailure:
+    """Still running when the others gave up on it: the likely root cause (priority 2)."""
+    return SyncFailure(
+        reason="TransferTimeout",
+        rank=rank,
+        step=SyncStep.TRANSFER,
+        message=f"rank {rank} ({p.name}) did not finish within {timeout_s:g}s (+{margin:g}s margin)",
+    )
 
 
 def _outcome(ref: Any, rank: int, p: Participant) -> RankResult | SyncFailure:
