@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -95,6 +96,10 @@ class Coordinator:
         self._session: Session | None = None
         self._store = None
         self._generation = 0
+        # Group names must never repeat across coordinator instances: a participant still holding
+        # a healthy group of a previous (restarted) runtime would otherwise "reuse" a group whose
+        # store died with that runtime.
+        self._instance = uuid.uuid4().hex[:8]
 
     def update_spec(self, spec: WeightSyncSpec) -> None:
         """A new desired state; the next sync rediscovers (and replans if the topology changed)."""
@@ -207,7 +212,7 @@ class Coordinator:
             topology_digest=digest,
             plan=plan,
             participants=participants,
-            group_name=f"ws-{plan.digest[:10]}-g{self._generation}",
+            group_name=self._group_name(plan),
         )
         att.plan, att.planned_bytes = plan, _plan_bytes(plan)
         return self._session
@@ -220,7 +225,7 @@ class Coordinator:
             return
         if session.joined:  # some participant lost the group: start a fresh one under a new name
             self._generation += 1
-            session.group_name = f"ws-{session.plan.digest[:10]}-g{self._generation}"
+            session.group_name = self._group_name(session.plan)
             session.joined = session.plans_sent = False
         session.syncs = 0
         host, port = self._ensure_store()
@@ -321,7 +326,10 @@ class Coordinator:
             self._session.plans_sent = False
             self._session.syncs = 0
             self._generation += 1
-            self._session.group_name = f"ws-{self._session.plan.digest[:10]}-g{self._generation}"
+            self._session.group_name = self._group_name(self._session.plan)
+
+    def _group_name(self, plan: SyncPlan) -> str:
+        return f"ws-{plan.digest[:10]}-{self._instance}-g{self._generation}"
 
     def _ensure_store(self) -> tuple[str, int]:
         from datetime import timedelta

@@ -121,3 +121,22 @@ class _Quiet:
 
     def finished(self, report) -> None:
         pass
+
+
+def test_restarted_runtime_builds_a_fresh_group(deployment):
+    """A runtime that dies without closing leaves participants holding a healthy-looking group
+    whose store is gone; the next runtime must not reuse it."""
+    import gc
+
+    address, setup = deployment
+    spec = weightsync_spec(setup, "v1", address=address)
+    first = Coordinator(spec, _Quiet(), manifest=setup.manifest)
+    assert first.sync("v1").result is SyncResult.SUCCEEDED
+    del first  # no close(): its TCPStore goes away with it, like a crashed runtime pod
+    gc.collect()
+    second = Coordinator(spec, _Quiet(), manifest=setup.manifest)
+    report = second.sync("v1")
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+    assert not report.plan_cached and report.stages.connect > 0
+    assert verify_destinations(setup, "v1") == []
+    second.close()
