@@ -18,6 +18,7 @@ Each measurement: a barrier, then the method; the time is the slowest rank's; me
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -150,10 +151,7 @@ def _method_naive(
 
 
 def _numel(p: Piece) -> int:
-    n = 1
-    for a, b in p.canon_box:
-        n *= b - a
-    return n
+    return _box_numel(p.canon_box)
 
 
 def _method_transport(r: _Rank, plan, bufs: dict[int, torch.Tensor]) -> float:
@@ -212,6 +210,23 @@ def _plan_bytes(scenario: Scenario) -> tuple[int, int]:
     return sum(b.nbytes for rnd in plan.rounds for b in rnd.buckets), len(plan.rounds)
 
 
+def _naive_wire_bytes(scenario: Scenario) -> int:
+    """Bytes (b) puts on links: regions rank 0 lacks (gather) plus the full model per destination."""
+    n_src = len(scenario.sides()[0].coords)
+    manifest = scenario.manifest()
+    own = {(p.tensor, p.canon_box) for p in scenario.shard(0)[1].pieces}
+    regions = {(p.tensor, p.canon_box) for r in range(n_src) for p in scenario.shard(r)[1].pieces}
+    gather = sum(_box_numel(box) * 2 for t, box in regions - own)
+    return gather + manifest.nbytes * (scenario.world_size - n_src)
+
+
+def _box_numel(box: tuple) -> int:
+    n = 1
+    for a, b in box:
+        n *= b - a
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny preset only")
@@ -220,11 +235,17 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CASES if not args.quick or c[0] == "tiny"]
     scenarios = [Scenario(model, src, dst) for _, _, model, src, dst in cases]
     pool = max(s.world_size for s in scenarios)
-    header = (f"{'size':5} {'case':16} {'MB':>7} {'rnds':>4} {'a s':>7} {'b s':>7} {'c s':>7} "
+    header = (f"{'size':5} {'case':16} {'MB':>7} {'b MB':>7} {'rnds':>4} {'a s':>7} {'b s':>7} {'c s':>7} "
               f"{'a GB/s':>7} {'b GB/s':>7} {'c GB/s':>7} {'a/b':>5} {'a/c':>5}")  # fmt: skip
-    threads = torch.get_num_threads()
-    print(f"gloo loopback, {threads} torch threads/rank, median of {args.repeats}; time = slowest")
-    print("rank; a/b and a/c are time ratios (targets: a/b <= 0.5 when TP differs, a/c <= 1.43 for mid)")
+    threads = max(1, (os.cpu_count() or 1) // pool)
+    print(
+        f"gloo loopback, {os.cpu_count()} cores, {pool} rank processes with {threads} torch thread(s) each;"
+    )
+    print(
+        f"median of {args.repeats} runs after a warm-up; time = slowest rank; MB = plan bytes (a and c move"
+    )
+    print("these; b moves 'b MB'). a/b and a/c are time ratios; GB/s = plan bytes / time.")
+    print("Targets: a/b <= 0.5 when TP differs; a/c <= 1.43 (a >= 0.7 of c) for mid.")
     print(header)
     with LocalWorld(pool) as world:
         for (size, case, *_), scenario in zip(cases, scenarios, strict=True):
@@ -238,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                    for m in ("plan", "naive", "transport")}  # fmt: skip
             gbps = {m: nbytes / t / 1e9 for m, t in med.items()}
             a, b, c = med["plan"], med["naive"], med["transport"]
-            print(f"{size:5} {case:16} {nbytes / 1e6:7.1f} {rounds:4d} {a:7.3f} {b:7.3f} {c:7.3f} "
+            wire = _naive_wire_bytes(scenario) / 1e6
+            print(f"{size:5} {case:16} {nbytes / 1e6:7.1f} {wire:7.1f} {rounds:4d} "
+                  f"{a:7.3f} {b:7.3f} {c:7.3f} "
                   f"{gbps['plan']:7.2f} {gbps['naive']:7.2f} {gbps['transport']:7.2f} "
                   f"{a / b:5.2f} {a / c:5.2f}", flush=True)  # fmt: skip
     return 0
