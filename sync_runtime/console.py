@@ -99,3 +99,13 @@ def summary_table(reports: Sequence[SyncReport], verified: Sequence[str]) -> Tab
     table.add_row("result", *(r.result.value for r in reports))
     table.add_row("verified", *verified)
     return table
+
+
+def ranks_table(report: SyncReport) -> Table:
+    """Per-rank bytes of one sync: shows the receiver-sharded, balanced traffic."""
+    table = Table(title=f"per-rank bytes, sync {report.version}")
+    for col in ("rank", "role", "actor", "sent", "received"):
+        table.add_column(col, justify="right" if col in ("rank", "sent", "received") else "left")
+    for r in report.ranks:
+        table.add_row(str(r.rank), r.role, r.name, human_bytes(r.send_bytes), human_bytes(r.recv_bytes))
+    return table

@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
-from sync_runtime.console import ConsoleReporter, human_bytes, summary_table
+from sync_runtime.console import ConsoleReporter, human_bytes, ranks_table, summary_table
 from sync_runtime.coordinator import Coordinator
 from sync_runtime.crd import Transport
 from sync_runtime.demo_cluster import (
@@ -158,6 +158,7 @@ def run_demo(setup: DemoSetup, args: argparse.Namespace, console: Console) -> in
         if args.dump and reports[-1].result is SyncResult.SUCCEEDED:
             _dump(setup, args.dump, reports[-1])
             console.print(f"  dump written to {args.dump}")
+        console.print(ranks_table(reports[-1]))
         console.print(summary_table(reports, verified))
         ok = all(r.result is SyncResult.SUCCEEDED for r in reports) and all(
             v.startswith("yes") for v in verified
