@@ -6,6 +6,9 @@ binaries from ``tests/k8s/ensure_binaries.sh`` (cached outside the clone; built 
 directory of ``sys.executable`` first on PATH so the project's console scripts resolve.
 ``kubectl`` / ``helm``: callables running the real binaries with the admin kubeconfig.
 ``namespace``: a fresh namespace per test.
+``ray_cluster``: a local Ray head with token authentication (``tests/e2e/ray_cluster.py``).
+At the end of the run the terminal summary says how long the e2e tests took (wall time from the
+first e2e setup to the last teardown, and the sum of their phases).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ sys.path.insert(0, str(K8S_DIR))
 
 from controlplane import ControlPlane, ensure_binaries  # noqa: E402
 from node_agent import pod_logs  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ray_cluster import RayCluster  # noqa: E402
 
 
 def _say(config: pytest.Config, line: str) -> None:
@@ -65,7 +71,10 @@ class NodeAgentProcess:
         self, cp: ControlPlane, node_name: str, path_prefix: str, extra_args: Sequence[str] = ()
     ) -> None:
         self.node_name = node_name
-        self.workdir = Path(tempfile.mkdtemp(prefix="ws-node-agent-"))
+        # Not under /tmp: pods (the chart's operator, runtime pods) mount an emptyDir on /tmp, which
+        # would hide the agent's volume sources from the mounts that follow it in the pod's namespace.
+        scratch = "/var/tmp" if os.path.isdir("/var/tmp") else None
+        self.workdir = Path(tempfile.mkdtemp(prefix="ws-node-agent-", dir=scratch))
         self.log_path = self.workdir / "agent.log"
         cmd = [
             sys.executable,
@@ -156,3 +165,51 @@ def namespace(control_plane: ControlPlane, request: pytest.FixtureRequest) -> It
         time.sleep(0.2)
     yield name
     control_plane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(pytestconfig: pytest.Config) -> Iterator[RayCluster]:
+    """``ray start --head`` with RAY_AUTH_MODE=token on 127.0.0.1; its processes killed by pid at the end."""
+    t0 = time.monotonic()
+    cluster = RayCluster(os.path.dirname(sys.executable), num_cpus=2).start()
+    _say(pytestconfig, f"ray cluster (token auth) ready in {time.monotonic() - t0:.1f}s at {cluster.address}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+class _E2ETimer:
+    """Wall time of the e2e tests, reported in the terminal summary."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last: float | None = None
+        self.phases = 0.0
+        self.count = 0
+
+    def add(self, report: pytest.TestReport) -> None:
+        if "e2e" not in report.keywords:
+            return
+        start, stop = getattr(report, "start", None), getattr(report, "stop", None)
+        if start is not None and stop is not None:
+            self.first = start if self.first is None else min(self.first, start)
+            self.last = stop if self.last is None else max(self.last, stop)
+        self.phases += report.duration
+        self.count += report.when == "call"
+
+
+_TIMER = _E2ETimer()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _TIMER.add(report)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _TIMER.first is None or _TIMER.last is None:
+        return
+    terminalreporter.write_line(
+        f"e2e suite: {_TIMER.count} tests, wall {_TIMER.last - _TIMER.first:.1f}s "
+        f"(setup+call+teardown {_TIMER.phases:.1f}s)"
+    )
