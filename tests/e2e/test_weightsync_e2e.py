@@ -629,9 +629,9 @@ def test_destination_killed_mid_sync(release: Release, deployment: Deployment, k
     assert failure["rank"] == 5, failure
     assert re.search(r"\brank 5\b", degraded["message"]), degraded
     ranks = deployment.snapshot()
+    # A killed named actor drops out of Ray's name table (or answers as dead).
     alive = {n: r for n, r in ranks.items() if not r.get("dead")}
-    assert set(ranks) - set(alive) == {victim}, ranks
-    assert len(alive) == DST_RANKS - 1
+    assert victim not in alive and len(alive) == DST_RANKS - 1, ranks
     assert all(r["version"] == "v5" and r["exact"] for r in alive.values()), alive
     warning = [e for e in events_for(kubectl, NS, WS) if e["reason"] == "SyncFailed"]
     assert warning and warning[-1]["type"] == "Warning" and "v6" in warning[-1]["message"], warning
