@@ -150,6 +150,12 @@ class PodRunner(threading.Thread):
                     if policy == "Always" or (policy == "OnFailure" and code != 0):
                         restart_at[n] = time.monotonic() + backoff[n]
                         backoff[n] = min(backoff[n] * 2, 5.0)
+                if proc is None and n not in restart_at and "waiting" in self.statuses[n]["state"]:
+                    if self.deleting.wait(1.0):  # CreateContainerConfigError: try again
+                        return
+                    before = self.statuses[n]["state"]
+                    self._start(c)
+                    changed = changed or self.statuses[n]["state"] != before
                 if n in restart_at and time.monotonic() >= restart_at[n]:
                     del restart_at[n]
                     last = self.statuses[n]["state"]
@@ -157,7 +163,8 @@ class PodRunner(threading.Thread):
                     self.statuses[n]["restartCount"] += 1
                     self.statuses[n]["lastState"] = last
                     changed = True
-            if not self.procs and not restart_at:
+            waiting = any("waiting" in self.statuses[c["name"]]["state"] for c in ctrs)
+            if not self.procs and not restart_at and not waiting:
                 codes = [s["state"]["terminated"]["exitCode"] for s in self.statuses.values()]
                 self.phase = "Succeeded" if all(x == 0 for x in codes) else "Failed"
                 return self._report()
@@ -338,6 +345,10 @@ class PodRunner(threading.Thread):
         term.write_bytes(b"")
         try:
             env = self._env(c)
+        except LookupError as e:  # like a kubelet: Waiting, retried until the Secret/ConfigMap key exists
+            st["state"] = {"waiting": {"reason": "CreateContainerConfigError", "message": str(e)}}
+            return
+        try:
             argv = [_expand(a, env) for a in c.get("command", []) + c.get("args", [])]
             exe = shutil.which(argv[0], path=env["PATH"]) if argv else None
             if exe is None:
@@ -434,6 +445,11 @@ class PodRunner(threading.Thread):
         self.init_statuses[n] = self.statuses[n]
         proc = self.procs.get(n)
         self._report()
+        while proc is None and "waiting" in self.statuses[n]["state"]:  # CreateContainerConfigError
+            if self.deleting.wait(1.0):
+                return -1
+            self._start(c)
+            proc = self.procs.get(n)
         while proc is not None and proc.poll() is None:
             if self.deleting.wait(0.2):
                 return -1
