@@ -1,7 +1,10 @@
 """Transfer benchmark: the same bytes moved three ways, gloo on loopback, real processes.
 
-(a) weightsync: the planner's plan executed by the transfer engine (pack, checksum, send,
-    unpack, verify; double-buffered), warm path: group and plan reused.
+(a) weightsync: the planner's plan executed by the transfer engine (checksum, send, receive,
+    verify; large contiguous regions zero-copy, the rest packed; double-buffered), warm path:
+    group and plan reused, and the destination keeps its staging buffers between syncs
+    (`keep_staging=True`). (a0) the same with fresh staging each sync (the default), whose
+    first-touch page faults on CPU cost about as much as the transfer.
 (b) naive: source rank 0 gathers every full canonical tensor from the source ranks, then sends
     it to every destination rank, which slices out its shard (the rank-0 funnel many RL
     frameworks use).
@@ -9,7 +12,8 @@
     from one source rank (no packing, no checksums): what loopback gloo can do at best.
 
 Each measurement: a barrier, then the method; the time is the slowest rank's; median of
---repeats runs after one warm-up. Prints a table; writes nothing.
+--repeats runs after one warm-up, the methods interleaved (machine load drifts). Prints a
+table; writes nothing.
 
     make bench-transfer                 # tiny and mid-size presets
     make bench-transfer ARGS=--quick    # tiny only
@@ -186,7 +190,8 @@ def bench_rank(ctx: RankContext, scenario: Scenario, repeats: int) -> dict[str, 
                               group_name=ctx.group_name)  # fmt: skip
     n_src = len(scenario.sides()[0].coords)
     r = _Rank(ctx, scenario, group, role, _random_like(shard), n_src)
-    dest = DestinationWeights(r.local) if role is Role.DESTINATION else None
+    dest = DestinationWeights(r.local, keep_staging=True) if role is Role.DESTINATION else None
+    fresh = DestinationWeights(dict(r.local)) if role is Role.DESTINATION else None
     cover = _cover(r)
     dst_pieces: dict[str, list[Piece]] = {}
     for p in shard.pieces if role is Role.DESTINATION else ():
@@ -194,13 +199,16 @@ def bench_rank(ctx: RankContext, scenario: Scenario, repeats: int) -> dict[str, 
     tbufs = _transport_buffers(r, plan)
     methods = {
         "plan": lambda: _method_plan(r, plan, dest),
+        "plan0": lambda: _method_plan(r, plan, fresh),
         "naive": lambda: _method_naive(r, cover, dst_pieces),
         "transport": lambda: _method_transport(r, plan, tbufs),
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
-    for name, fn in methods.items():
+    for fn in methods.values():
         fn()  # warm-up: first-touch allocations, checksum tables, gloo pair buffers
-        times[name] = [fn() for _ in range(repeats)]
+    for _ in range(repeats):
+        for name, fn in methods.items():
+            times[name].append(fn())
     group.close()
     return times
 
@@ -235,8 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in CASES if not args.quick or c[0] == "tiny"]
     scenarios = [Scenario(model, src, dst) for _, _, model, src, dst in cases]
     pool = max(s.world_size for s in scenarios)
-    header = (f"{'size':5} {'case':16} {'MB':>7} {'b MB':>7} {'rnds':>4} {'a s':>7} {'b s':>7} {'c s':>7} "
-              f"{'a GB/s':>7} {'b GB/s':>7} {'c GB/s':>7} {'a/b':>5} {'a/c':>5}")  # fmt: skip
+    header = (f"{'size':5} {'case':16} {'MB':>7} {'b MB':>7} {'rnds':>4} {'a s':>7} {'a0 s':>7} "
+              f"{'b s':>7} {'c s':>7} {'a GB/s':>7} {'c GB/s':>7} "
+              f"{'a/b':>5} {'a/c':>5} {'a0/b':>5} {'a0/c':>5}")  # fmt: skip
     threads = max(1, (os.cpu_count() or 1) // pool)
     print(
         f"gloo loopback, {os.cpu_count()} cores, {pool} rank processes with {threads} torch thread(s) each;"
@@ -245,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.repeats} runs after a warm-up; time = slowest rank; MB = plan bytes (a and c move"
     )
     print("these; b moves 'b MB'). a/b and a/c are time ratios; GB/s = plan bytes / time.")
+    print("a: staging kept between syncs (keep_staging=True); a0: fresh staging each sync (default).")
     print("Targets: a/b <= 0.5 when TP differs; a/c <= 1.43 (a >= 0.7 of c) for mid.")
     print(header)
     with LocalWorld(pool) as world:
@@ -256,14 +266,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{size:5} {case:16} FAILED: {failed[0]}")
                 continue
             med = {m: statistics.median(max(o.value[m][i] for o in outcomes) for i in range(args.repeats))
-                   for m in ("plan", "naive", "transport")}  # fmt: skip
+                   for m in ("plan", "plan0", "naive", "transport")}  # fmt: skip
             gbps = {m: nbytes / t / 1e9 for m, t in med.items()}
-            a, b, c = med["plan"], med["naive"], med["transport"]
+            a, a0, b, c = med["plan"], med["plan0"], med["naive"], med["transport"]
             wire = _naive_wire_bytes(scenario) / 1e6
             print(f"{size:5} {case:16} {nbytes / 1e6:7.1f} {wire:7.1f} {rounds:4d} "
-                  f"{a:7.3f} {b:7.3f} {c:7.3f} "
-                  f"{gbps['plan']:7.2f} {gbps['naive']:7.2f} {gbps['transport']:7.2f} "
-                  f"{a / b:5.2f} {a / c:5.2f}", flush=True)  # fmt: skip
+                  f"{a:7.3f} {a0:7.3f} {b:7.3f} {c:7.3f} {gbps['plan']:7.2f} {gbps['transport']:7.2f} "
+                  f"{a / b:5.2f} {a / c:5.2f} {a0 / b:5.2f} {a0 / c:5.2f}", flush=True)  # fmt: skip
     return 0
 
 

@@ -20,6 +20,9 @@ from sync_runtime.transfer import testing as fault_hooks
 from sync_runtime.transfer.local import LocalWorld, RankContext
 
 WORLD = 3
+DEFAULT_DIRECT = TransferConfig().direct_min_bytes
+"""Every hand-plan transfer is smaller: all packed. direct=0 sends each as its own message
+(zero-copy from the source where contiguous, into staging where contiguous, bounced otherwise)."""
 
 
 def _t(
@@ -103,7 +106,7 @@ def _exit_before_round1(round_index: int) -> None:
         os._exit(17)
 
 
-def rank_main(ctx: RankContext, seeds: list[int], fault: str, timeout_s: float) -> list[dict]:
+def rank_main(ctx: RankContext, seeds: list[int], fault: str, timeout_s: float, direct: int) -> list[dict]:
     """One participant: connect once, run one sync per seed on the same group, report each."""
     fault_hooks.reset_hooks()
     if fault == "corrupt" and ctx.rank == 0:
@@ -114,7 +117,7 @@ def rank_main(ctx: RankContext, seeds: list[int], fault: str, timeout_s: float) 
                               world_size=WORLD, backend="gloo", timeout_s=timeout_s,
                               group_name=ctx.group_name)  # fmt: skip
     plan = hand_plan().for_rank(ctx.rank)
-    config = TransferConfig(timeout_s=timeout_s)
+    config = TransferConfig(timeout_s=timeout_s, direct_min_bytes=direct)
     dest = initial_destination(ctx.rank) if ctx.rank else None
     reports = []
     for seed in seeds:
@@ -154,13 +157,20 @@ def world() -> Iterator[LocalWorld]:
         yield w
 
 
-def _run(world: LocalWorld, seeds: list[int], fault: str = "", timeout_s: float = 10.0) -> list[list[dict]]:
-    outcomes = world.run(rank_main, [(seeds, fault, timeout_s)] * WORLD, timeout_s=60)
+def _run(
+    world: LocalWorld,
+    seeds: list[int],
+    fault: str = "",
+    timeout_s: float = 10.0,
+    direct: int = DEFAULT_DIRECT,
+) -> list[list[dict]]:
+    outcomes = world.run(rank_main, [(seeds, fault, timeout_s, direct)] * WORLD, timeout_s=60)
     return [o.value if o.error is None and o.exitcode is None else o for o in outcomes]
 
 
-def test_two_syncs_on_one_group_are_bit_exact(world: LocalWorld) -> None:
-    reports = _run(world, [1, 2])
+@pytest.mark.parametrize("direct", [DEFAULT_DIRECT, 0])
+def test_two_syncs_on_one_group_are_bit_exact(world: LocalWorld, direct: int) -> None:
+    reports = _run(world, [1, 2], direct=direct)
     for per_sync in reports:
         assert isinstance(per_sync, list), per_sync
         assert [r["ok"] for r in per_sync] == [True, True], per_sync
@@ -185,8 +195,10 @@ def _assert_collective_failure(reports: list, survivors: list[int], timeout_s: f
             assert report["unchanged"], report
 
 
-def test_checksum_mismatch_fails_every_rank_and_keeps_live_weights(world: LocalWorld) -> None:
-    reports = _run(world, [3], fault="corrupt", timeout_s=4.0)
+@pytest.mark.parametrize("direct", [DEFAULT_DIRECT, 0])
+def test_checksum_mismatch_fails_every_rank_and_keeps_live_weights(world: LocalWorld, direct: int) -> None:
+    # direct=0: the flipped tail byte is in the checksum header, not in A's bytes; caught all the same.
+    reports = _run(world, [3], fault="corrupt", timeout_s=4.0, direct=direct)
     _assert_collective_failure(reports, [0, 1, 2], 4.0, bound_s=2.0)
     err2 = reports[2][0]["error"]
     assert err2.startswith("checksum mismatch: rank 2 tensor A from rank 0 round 0"), err2

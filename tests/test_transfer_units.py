@@ -4,16 +4,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from sync_runtime.plan import Bucket, RankPlan, Transfer
 from sync_runtime.transfer import (
     DestinationWeights,
     PlanMismatchError,
     StagingError,
+    SyncGroup,
+    TransferError,
+    publish_failure,
     verify_plan_against_tensors,
 )
-from sync_runtime.transfer.buffers import message_layout, pack_bucket, unpack_bucket
-from sync_runtime.transfer.checksum import CHUNK_WORDS, checksum_bytes, checksum_tensor
+from sync_runtime.transfer.buffers import (
+    BufferPool,
+    Outgoing,
+    message_layout,
+    pack_bucket,
+    receive_bucket,
+    unpack_bucket,
+)
+from sync_runtime.transfer.checksum import CHUNK_WORDS, _offset_words, checksum_bytes, checksum_tensor
+from sync_runtime.transfer.staging import tiles_exactly
 
 
 def _rand_bf16(*shape: int, seed: int = 0) -> torch.Tensor:
@@ -42,6 +54,25 @@ def test_checksum_detects_swapped_elements() -> None:
         assert checksum_tensor(bad) != base, (i, j)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_checksum_detects_sign_swap_in_every_lane(dtype: torch.dtype) -> None:
+    # x <-> -x differs only in the top bit: the case one pass over 64-bit words cannot catch.
+    t = _rand_bf16(4096).to(dtype)
+    lanes = 8 // t.element_size()
+    for lane in range(lanes):
+        i, j = lanes * 3 + lane, lanes * 11 + lane
+        t[i], t[j] = 1.5, -1.5
+        bad = t.clone()
+        bad[i], bad[j] = t[j], t[i]
+        assert checksum_tensor(bad) != checksum_tensor(t), lane
+
+
+def test_checksum_portable_path_reads_the_same_words() -> None:
+    data = _rand_bf16(3 * 1000 + 1).view(torch.uint8)[:-1]
+    n = (data.numel() - 4) // 8
+    assert torch.equal(_offset_words(data, n), _offset_words(data, n, portable=True))
+
+
 def test_checksum_of_view_equals_checksum_of_copy_and_is_stable() -> None:
     t = _rand_bf16(16, 10)
     view = t[3:9, 2:7]
@@ -57,25 +88,51 @@ def _transfer(src_name: str, src_box, dst_name: str, dst_box, elem: int = 2) -> 
     return Transfer(0, 1, src_name, src_name, tuple(src_box), dst_name, tuple(dst_box), n * elem)
 
 
-def test_pack_unpack_roundtrip_mixed_dtypes_and_leading_dims() -> None:
+@pytest.mark.parametrize("direct_min_bytes", [0, 16, 1 << 20])
+def test_pack_unpack_roundtrip_mixed_dtypes_and_leading_dims(direct_min_bytes: int) -> None:
+    # 0: every transfer its own message; 16: all but the 2-byte one; 1 MiB: all packed in the tail.
     a = _rand_bf16(8, 6)
     b = torch.arange(5, dtype=torch.float32)
     bucket = Bucket(0, 1, (
-        _transfer("a", [(1, 4), (0, 3)], "x", [(0, 3), (3, 6)]),
-        _transfer("b", [(0, 5)], "y", [(1, 2), (0, 5)], elem=4),
+        _transfer("a", [(1, 4), (0, 3)], "x", [(0, 3), (3, 6)]),  # strided on both ends: bounced
+        _transfer("b", [(0, 5)], "y", [(1, 2), (0, 5)], elem=4),  # contiguous on both ends: in place
         _transfer("a", [(7, 8), (5, 6)], "x", [(4, 5), (0, 1)]),
     ), 0)  # fmt: skip
-    msg = pack_bucket(bucket, {"a": a, "b": b}.__getitem__, torch.device("cpu"))
-    assert msg.numel() == message_layout(bucket).nbytes
+    cpu = torch.device("cpu")
+    out = pack_bucket(bucket, {"a": a, "b": b}.__getitem__, cpu, direct_min_bytes=direct_min_bytes)
+    layout = message_layout(bucket, direct_min_bytes)
+    assert len(out.messages) == layout.count and out.tail.numel() == layout.tail_nbytes
+    if direct_min_bytes == 0:
+        assert out.messages[1].data_ptr() == b.data_ptr() and not out.pooled[1]  # sent from the source
     dw = DestinationWeights({"x": torch.ones(5, 6, dtype=torch.bfloat16), "y": torch.ones(2, 5)})
     dw.begin("v1")
-    assert unpack_bucket(bucket, msg, dw.staged) == []
+    assert unpack_bucket(bucket, out, dw.staged, cpu, direct_min_bytes) == []
     x, y = dw.staged("x"), dw.staged("y")
     assert torch.equal(x[0:3, 3:6].view(torch.int16), a[1:4, 0:3].view(torch.int16))
     assert torch.equal(y[1], b) and torch.equal(y[0], torch.zeros(5))  # unwritten regions are zero
-    msg[3] ^= 1  # inside the first transfer's bytes
+    for m in range(len(out.messages)):  # a flipped byte in any message is caught
+        bad = [t.clone() for t in out.messages]
+        bad[m][1] ^= 1  # a data byte of the message's first transfer (or the header's first sum)
+        dw.begin("v1")
+        got = unpack_bucket(bucket, Outgoing(bad, out.pooled), dw.staged, cpu, direct_min_bytes)
+        want_index = layout.direct[m] if m < len(layout.direct) else layout.packed[0] if layout.packed else 0
+        assert got == [bucket.transfers[want_index]], (m, got)
+
+
+def test_receive_in_place_into_staging() -> None:
+    bucket = Bucket(0, 1, (_transfer("a", [(2, 6), (0, 4)], "x", [(0, 1), (1, 5), (0, 4)]),), 32)
+    dw = DestinationWeights({"x": torch.zeros(2, 6, 4, dtype=torch.bfloat16)})
     dw.begin("v1")
-    assert unpack_bucket(bucket, msg, dw.staged) == [bucket.transfers[0]]
+    inc = receive_bucket(bucket, dw.staged, torch.device("cpu"), BufferPool(), 0)
+    assert inc.messages[0].data_ptr() == dw.staged("x")[0, 1].data_ptr() and not inc.pooled[0]
+
+
+def test_tiles_exactly() -> None:
+    assert tiles_exactly([((0, 2), (0, 4)), ((2, 5), (0, 4))], (5, 4))
+    assert tiles_exactly([((0, 5), (0, 1)), ((0, 5), (1, 4))], (5, 4))
+    assert not tiles_exactly([((0, 2), (0, 4)), ((2, 4), (0, 4))], (5, 4))  # padding rows left
+    assert not tiles_exactly([((0, 3), (0, 4)), ((2, 4), (0, 4))], (4, 5))  # sizes add up, boxes overlap
+    assert tiles_exactly([()], ())
 
 
 def test_destination_weights_commit_in_place_and_abort_keeps_live() -> None:
@@ -110,3 +167,38 @@ def test_verify_plan_names_rank_tensor_box_and_shape() -> None:
         verify_plan_against_tensors(plan_dst, None, DestinationWeights({"w_dst": torch.zeros(2, 8)}))
     with pytest.raises(PlanMismatchError, match="holds no tensor"):
         verify_plan_against_tensors(plan_dst, None, DestinationWeights({}))
+
+
+def test_keep_staging_reuses_buffers_after_commit_only() -> None:
+    dw = DestinationWeights({"w": torch.zeros(4)}, version="v0", keep_staging=True)
+    dw.begin("v1")
+    first = dw.staged("w", fully_written=True)
+    first.fill_(5.0)
+    dw.commit()
+    dw.begin("v2")
+    again = dw.staged("w")  # not fully written: the reused buffer is zeroed
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, torch.zeros(4))
+    dw.abort()  # a failed sync's buffers may still be written by a late receive: never reused
+    dw.begin("v3")
+    assert dw.staged("w").data_ptr() != first.data_ptr()
+
+
+def test_publish_failure_reaches_the_ranks_latest_connection() -> None:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def connect() -> SyncGroup:
+        return SyncGroup.connect(store_host="127.0.0.1", store_port=store.port, rank=0, world_size=1,
+                                 backend="gloo", timeout_s=10.0, group_name="g")  # fmt: skip
+
+    kw = {"group_name": "g", "world_size": 1, "sync_id": 1, "rank": 0, "message": "died"}
+    assert publish_failure(store, **kw) is False  # nobody joined yet
+    old, new = connect(), connect()  # a reconnect: generation 1
+    try:
+        assert new.begin_sync() == 1
+        assert publish_failure(store, **kw) is True
+        assert new.peer_failure(1) == (0, "died") and old.peer_failure(1) is None
+        with pytest.raises(TransferError, match="peer rank 0 failed: died"):
+            new.finish(1, timeout_s=5.0, last_round=0)
+    finally:
+        old.close()
+        new.close()

@@ -1,15 +1,24 @@
-"""Bucket messages: one flat uint8 buffer per bucket, transfers packed in plan order.
+"""Bucket messages: large transfers travel zero-copy, small ones packed with the checksums.
 
-Message layout (both ends derive it from the same Bucket, so nothing about it travels):
-each transfer's bytes at a 16-byte aligned offset (so a slice can be viewed as any dtype),
-then a header of one int64 checksum per transfer. One message per bucket keeps a bucket's
-data and its checksums in a single send: no second matching, no ordering hazard.
+Message layout (both ends derive it from the Bucket and `direct_min_bytes`, so nothing about it
+travels; the group agrees on `direct_min_bytes` together with the plan digest):
+- every transfer of at least `direct_min_bytes` is its own message, its elements in row-major
+  order. The sender sends straight from the source tensor when the region is contiguous there,
+  the receiver receives straight into its staging when the region is contiguous there; only
+  an end whose region is strided bounces through a pool buffer (one copy). Most regions are
+  row ranges of contiguous tensors, so most bytes are never copied by the engine.
+- then one tail message: the small transfers packed at 16-byte aligned offsets (one message
+  instead of many tiny ones), then a header of one int64 checksum per transfer of the bucket.
+Receiver checksums: a region received in place is checksummed in staging (catches a corrupted
+message and a wrong placement); a strided region is checksummed in the bounce buffer it arrived
+in, then copied (re-reading it from staging would cost a second copy); a small packed transfer
+is checksummed in staging after the unpack, as before.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,70 +40,172 @@ def _align(n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MessageLayout:
-    """Byte offsets of a bucket's message."""
+    """Which transfers of a bucket travel alone, and the tail's byte offsets."""
 
+    direct: tuple[int, ...]
+    """Indices of transfers sent as their own message, in this order, before the tail."""
+    packed: tuple[int, ...]
+    """Indices of transfers packed into the tail."""
     offsets: tuple[int, ...]
+    """Byte offset of each packed transfer in the tail."""
     header_offset: int
-    nbytes: int
+    tail_nbytes: int
+
+    @property
+    def count(self) -> int:
+        """Messages per bucket: the direct ones and the tail."""
+        return len(self.direct) + 1
 
 
-def message_layout(bucket: Bucket) -> MessageLayout:
-    offsets, pos = [], 0
-    for t in bucket.transfers:
+def message_layout(bucket: Bucket, direct_min_bytes: int) -> MessageLayout:
+    direct, packed, offsets, pos = [], [], [], 0
+    for i, t in enumerate(bucket.transfers):
+        if t.nbytes >= max(direct_min_bytes, 1):
+            direct.append(i)
+            continue
+        packed.append(i)
         offsets.append(pos)
         pos = _align(pos + t.nbytes)
-    header = pos
-    return MessageLayout(tuple(offsets), header, header + 8 * len(bucket.transfers))
+    n = len(bucket.transfers)
+    return MessageLayout(tuple(direct), tuple(packed), tuple(offsets), pos, pos + 8 * n)
 
 
-def _region_view(buf: torch.Tensor, offset: int, t: Transfer, dtype: torch.dtype, box: Box) -> torch.Tensor:
-    return buf[offset : offset + t.nbytes].view(dtype).view(box_shape(box))
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 view (shares memory)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _typed(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return buf.view(like.dtype).view(like.shape)
+
+
+def _get(pool: BufferPool | None, nbytes: int, device: torch.device) -> torch.Tensor:
+    return pool.get(nbytes, device) if pool else torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A bucket's messages in sending order (direct ones, then the tail)."""
+
+    messages: list[torch.Tensor]
+    pooled: list[bool]
+    """True for buffers from the pool (give back after the send); False for source views."""
+
+    @property
+    def tail(self) -> torch.Tensor:
+        return self.messages[-1]
 
 
 def pack_bucket(
-    bucket: Bucket, source: TensorLookup, device: torch.device, pool: BufferPool | None = None
-) -> torch.Tensor:
-    """Copy every transfer's source region into a fresh message buffer and append the checksums.
+    bucket: Bucket,
+    source: TensorLookup,
+    device: torch.device,
+    pool: BufferPool | None = None,
+    direct_min_bytes: int = 0,
+) -> Outgoing:
+    """Build a bucket's messages and write every transfer's checksum into the tail's header.
 
-    The checksum is taken on the packed bytes: they are the source region's elements in
-    row-major order, byte for byte, and already contiguous (no second copy of the region).
+    A checksum is taken on the bytes as they will travel: the source region itself when it is
+    contiguous, else the packed copy (the region's elements in row-major order either way).
     """
-    layout = message_layout(bucket)
-    buf = (
-        pool.get(layout.nbytes, device)
-        if pool
-        else torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-    )
-    sums = []
-    for t, off in zip(bucket.transfers, layout.offsets, strict=True):
+    layout = message_layout(bucket, direct_min_bytes)
+    out = Outgoing([], [])
+    sums = [0] * len(bucket.transfers)
+    for i in layout.direct:
+        t = bucket.transfers[i]
+        region = source(t.src_name)[box_slices(t.src_box)]
+        if region.is_contiguous() and region.device == device:
+            msg, pooled = flat_bytes(region), False
+        else:
+            msg, pooled = _get(pool, t.nbytes, device), True
+            _typed(msg, region).copy_(region)
+        sums[i] = checksum_bytes(msg)
+        out.messages.append(msg)
+        out.pooled.append(pooled)
+    tail = _get(pool, layout.tail_nbytes, device)
+    for i, off in zip(layout.packed, layout.offsets, strict=True):
+        t = bucket.transfers[i]
         src = source(t.src_name)
-        _region_view(buf, off, t, src.dtype, t.src_box).copy_(src[box_slices(t.src_box)])
-        sums.append(checksum_bytes(buf[off : off + t.nbytes]))
-    header = buf[layout.header_offset :].view(torch.int64)
-    header.copy_(torch.tensor(sums, dtype=torch.int64))
-    return buf
+        piece = tail[off : off + t.nbytes]
+        piece.view(src.dtype).view(box_shape(t.src_box)).copy_(src[box_slices(t.src_box)])
+        sums[i] = checksum_bytes(piece)
+    tail[layout.header_offset :].view(torch.int64).copy_(torch.tensor(sums, dtype=torch.int64))
+    out.messages.append(tail)
+    out.pooled.append(True)
+    return out
 
 
-def empty_message(bucket: Bucket, device: torch.device, pool: BufferPool) -> torch.Tensor:
-    return pool.get(message_layout(bucket).nbytes, device)
+@dataclass(slots=True)
+class Incoming:
+    """A bucket being received: one buffer per message, checksums as the messages land."""
+
+    bucket: Bucket
+    layout: MessageLayout
+    messages: list[torch.Tensor]
+    regions: list[torch.Tensor]
+    """Staged region of each direct message (the message itself when received in place)."""
+    pooled: list[bool]
+    sums: list[int | None] = field(default_factory=list)
+    landed: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.landed == len(self.messages)
 
 
-def unpack_bucket(bucket: Bucket, buf: torch.Tensor, staged: TensorLookup) -> list[Transfer]:
-    """Copy a received message into staging; return the transfers whose staged bytes fail the checksum.
+def receive_bucket(
+    bucket: Bucket, staged: TensorLookup, device: torch.device, pool: BufferPool, direct_min_bytes: int = 0
+) -> Incoming:
+    """Receive buffers for a bucket: staging views where the staged region is contiguous."""
+    layout = message_layout(bucket, direct_min_bytes)
+    inc = Incoming(bucket, layout, [], [], [], [None] * len(bucket.transfers))
+    for i in layout.direct:
+        t = bucket.transfers[i]
+        region = staged(t.dst_name)[box_slices(t.dst_box)]
+        inc.regions.append(region)
+        in_place = region.is_contiguous() and region.device == device
+        inc.messages.append(flat_bytes(region) if in_place else pool.get(t.nbytes, device))
+        inc.pooled.append(not in_place)
+    inc.messages.append(pool.get(layout.tail_nbytes, device))
+    inc.pooled.append(True)
+    return inc
 
-    The receiver checksums the staged region after the copy (not the message), so a wrong
-    unpack is caught as well as a corrupted message.
-    """
-    layout = message_layout(bucket)
-    expected = buf[layout.header_offset :].view(torch.int64).tolist()
-    bad = []
-    for t, off, want in zip(bucket.transfers, layout.offsets, expected, strict=True):
+
+def land(inc: Incoming, m: int, staged: TensorLookup) -> None:
+    """Message `m` of the bucket arrived: checksum it and move it into staging."""
+    inc.landed += 1
+    layout, transfers = inc.layout, inc.bucket.transfers
+    if m < len(layout.direct):
+        msg = inc.messages[m]
+        inc.sums[layout.direct[m]] = checksum_bytes(msg)
+        if inc.pooled[m]:
+            region = inc.regions[m]
+            region.copy_(_typed(msg, region))
+        return
+    tail = inc.messages[m]
+    for i, off in zip(layout.packed, layout.offsets, strict=True):
+        t = transfers[i]
         dst = staged(t.dst_name)
         region = dst[box_slices(t.dst_box)]
-        region.copy_(_region_view(buf, off, t, dst.dtype, t.dst_box))
-        if checksum_tensor(region) != want:
-            bad.append(t)
-    return bad
+        region.copy_(tail[off : off + t.nbytes].view(dst.dtype).view(box_shape(t.dst_box)))
+        inc.sums[i] = checksum_tensor(region)
+
+
+def bad_transfers(inc: Incoming) -> list[Transfer]:
+    """After every message landed: the transfers whose checksum differs from the sender's."""
+    header = inc.messages[-1][inc.layout.header_offset :].view(torch.int64).tolist()
+    return [t for t, got, want in zip(inc.bucket.transfers, inc.sums, header, strict=True) if got != want]
+
+
+def unpack_bucket(
+    bucket: Bucket, out: Outgoing, staged: TensorLookup, device: torch.device, direct_min_bytes: int = 0
+) -> list[Transfer]:
+    """In-process round trip of `pack_bucket`'s messages into staging (tests); the bad transfers."""
+    inc = receive_bucket(bucket, staged, device, BufferPool(), direct_min_bytes)
+    for m, (dst, src) in enumerate(zip(inc.messages, out.messages, strict=True)):
+        dst.copy_(src)
+        land(inc, m, staged)
+    return bad_transfers(inc)
 
 
 class BufferPool:

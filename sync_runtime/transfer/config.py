@@ -20,6 +20,11 @@ class TransferConfig:
     """Where staging and bucket buffers live ("cuda:N" for NCCL, whose messages must be on the GPU)."""
     poll_interval_s: float = 0.1
     """How often a waiting rank looks for a peer's failure flag in the store."""
+    direct_min_bytes: int = 256 * 1024
+    """Transfers at least this large travel as their own message, sent from the source tensor and
+    received into staging without a copy where the region is contiguous; smaller ones are packed
+    into one message per bucket (fewer, larger messages). Part of the message format: every rank
+    of a sync must use the same value (checked with the plan digest)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -30,6 +35,8 @@ class TransferConfig:
             raise ValueError(f"backend=nccl needs a CUDA device, got device={self.device!r}")
         if not 0 < self.poll_interval_s <= self.timeout_s:
             raise ValueError(f"poll_interval_s={self.poll_interval_s}: must be in (0, timeout_s]")
+        if self.direct_min_bytes < 0:
+            raise ValueError(f"direct_min_bytes={self.direct_min_bytes}: must be >= 0")
 
 
 @dataclass(slots=True)

@@ -21,26 +21,39 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sync_runtime.layouts.base import Box
 from sync_runtime.plan import Bucket, RankPlan
 from sync_runtime.transfer import testing
-from sync_runtime.transfer.buffers import empty_message, pack_bucket, unpack_bucket
+from sync_runtime.transfer.buffers import (
+    Incoming,
+    Outgoing,
+    bad_transfers,
+    land,
+    pack_bucket,
+    receive_bucket,
+)
 from sync_runtime.transfer.config import PlanMismatchError, RankResult, TransferConfig, TransferError
 from sync_runtime.transfer.group import SyncGroup
-from sync_runtime.transfer.staging import DestinationWeights
+from sync_runtime.transfer.staging import DestinationWeights, tiles_exactly
 from sync_runtime.transfer.verify import verify_plan_against_tensors
 from sync_runtime.transfer.waiter import Completion, Key, Message, MessageWaiter
 
 ProgressFn = Callable[[int, int], None]
-_TAG_ROUND_SHIFT = 12  # up to 4096 buckets per (pair, round); rounds wrap at 2^19, far beyond any plan
+_TAG_ROUND_SHIFT = 16  # up to 65536 messages per (pair, round); rounds wrap at 2^15, far beyond any plan
+_MsgRef = tuple[int, int]
+"""(bucket index in the round, message index in the bucket)."""
 
 
 @dataclass(slots=True)
 class _Round:
-    """One posted round: buffers still needed and messages not yet completed."""
+    """One posted round: buckets still in flight and messages not yet completed."""
 
     index: int
-    recv_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
-    send_bufs: dict[int, torch.Tensor] = field(default_factory=dict)
+    incoming: dict[int, Incoming] = field(default_factory=dict)
+    outgoing: dict[int, Outgoing] = field(default_factory=dict)
+    recv_refs: list[_MsgRef] = field(default_factory=list)
+    send_refs: list[_MsgRef] = field(default_factory=list)
+    sends_left: dict[int, int] = field(default_factory=dict)
     outstanding: set[Key] = field(default_factory=set)
 
 
@@ -69,8 +82,9 @@ class _Executor:
         n = len(self.plan.sends)
         if not any(self.plan.sends) and not any(self.plan.recvs):
             return
+        self._allocate_staging()
         self.waiter = MessageWaiter(self.device)
-        ahead: dict[int, torch.Tensor] | None = None
+        ahead: dict[int, Outgoing] | None = None
         for i in range(n):
             flight = self._start_round(i, ahead)
             ahead = None
@@ -78,6 +92,20 @@ class _Executor:
                 ahead = self._pack_round(i + 1, flight)
             self._drain(flight, block=True)
         self.waiter.stop()
+
+    def _allocate_staging(self) -> None:
+        """Allocate every staged tensor up front; zero only those the plan does not tile exactly.
+
+        Zeroing is a full pass over the destination's memory, and the plan writes every element
+        of almost every tensor (only padding, e.g. vocab rows past V, is left out).
+        """
+        boxes: dict[str, list[Box]] = {}
+        for t in (t for r in self.plan.recvs for b in r for t in b.transfers):
+            boxes.setdefault(t.dst_name, []).append(t.dst_box)
+        assert self.destination is not None or not boxes
+        for name, name_boxes in boxes.items():
+            shape = tuple(self.destination.tensors[name].shape)  # type: ignore[union-attr]
+            self.destination.staged(name, fully_written=tiles_exactly(name_boxes, shape))  # type: ignore[union-attr]
 
     def _reads_staging(self, round_index: int) -> bool:
         """True when a send of that round forwards bytes this rank receives (relay)."""
@@ -91,14 +119,18 @@ class _Executor:
             raise PlanMismatchError(f"rank {self.plan.rank}: no source tensor {name!r}")
         return self.destination.staged(name)  # relay: forward the new version, not the live one
 
-    def _pack(self, round_index: int, j: int, bucket: Bucket) -> torch.Tensor:
-        self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
-        buf = pack_bucket(bucket, self._source, self.device, self.group.buffers)
-        if testing.HOOKS.after_pack is not None:
-            testing.HOOKS.after_pack(round_index, bucket, buf)
-        return buf
+    def _staged(self, name: str) -> torch.Tensor:
+        assert self.destination is not None
+        return self.destination.staged(name)
 
-    def _pack_round(self, round_index: int, inflight: _Round | None) -> dict[int, torch.Tensor]:
+    def _pack(self, round_index: int, j: int, bucket: Bucket) -> Outgoing:
+        self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
+        out = pack_bucket(bucket, self._source, self.device, self.group.buffers, self.config.direct_min_bytes)
+        if testing.HOOKS.after_pack is not None:
+            testing.HOOKS.after_pack(round_index, bucket, out.tail)
+        return out
+
+    def _pack_round(self, round_index: int, inflight: _Round | None) -> dict[int, Outgoing]:
         """Pack a round's sends ahead; between buckets, unpack what already landed of `inflight`."""
         out = {}
         for j, bucket in enumerate(self.plan.sends[round_index]):
@@ -107,34 +139,53 @@ class _Executor:
                 self._drain(inflight, block=False)
         return out
 
-    def _start_round(self, i: int, packed: dict[int, torch.Tensor] | None) -> _Round:
+    def _start_round(self, i: int, packed: dict[int, Outgoing] | None) -> _Round:
         if testing.HOOKS.before_round is not None:
             testing.HOOKS.before_round(i)
         self.where = f"round {i} (posting)"
         flight = _Round(i)
         recv_buckets, send_buckets = self.plan.recvs[i], self.plan.sends[i]
-        flight.recv_bufs = {
-            j: empty_message(b, self.device, self.group.buffers) for j, b in enumerate(recv_buckets)
-        }
-        rtags, stags = _tags(recv_buckets, i, "src"), _tags(send_buckets, i, "dst")
-        recvs = [(b.src_rank, flight.recv_bufs[j], rtags[j]) for j, b in enumerate(recv_buckets)]
+        rtags, stags = _Tags(i), _Tags(i)
+        recvs = []
+        for j, b in enumerate(recv_buckets):
+            inc = receive_bucket(
+                b, self._staged, self.device, self.group.buffers, self.config.direct_min_bytes
+            )
+            flight.incoming[j] = inc
+            for m, buf in enumerate(inc.messages):
+                recvs.append((b.src_rank, buf, rtags.next(b.src_rank)))
+                flight.recv_refs.append((j, m))
         if self.group.kind == "nccl":  # one coalesced group: every send must be packed first
-            flight.send_bufs = packed if packed is not None else self._pack_round(i, None)
-            sends = [(b.dst_rank, flight.send_bufs[j], stags[j]) for j, b in enumerate(send_buckets)]
+            flight.outgoing = packed if packed is not None else self._pack_round(i, None)
+            sends = self._send_list(flight, send_buckets, stags)
             peers = sorted({b.src_rank for b in recv_buckets} | {b.dst_rank for b in send_buckets})
             if sends or recvs:
                 (work,) = self.group.post(sends, recvs)
                 self._track(flight, work, ("round", 0), f"exchange with ranks {peers}")
             return flight
-        for j, work in enumerate(self.group.post([], recvs)):
-            b = recv_buckets[j]
-            self._track(flight, work, ("recv", j), f"recv from rank {b.src_rank} ({b.nbytes} bytes)")
+        for k, work in enumerate(self.group.post([], recvs)):
+            b = recv_buckets[flight.recv_refs[k][0]]
+            self._track(flight, work, ("recv", k), f"recv from rank {b.src_rank} ({b.nbytes} bytes)")
         for j, b in enumerate(send_buckets):
-            buf = packed[j] if packed is not None else self._pack(i, j, b)
-            flight.send_bufs[j] = buf
-            (work,) = self.group.post([(b.dst_rank, buf, stags[j])], [])
-            self._track(flight, work, ("send", j), f"send to rank {b.dst_rank} ({b.nbytes} bytes)")
+            flight.outgoing[j] = packed[j] if packed is not None else self._pack(i, j, b)
+            first = len(flight.send_refs)
+            sends = self._send_list(flight, (b,), stags, j)
+            for k, work in enumerate(self.group.post(sends, []), start=first):
+                self._track(flight, work, ("send", k), f"send to rank {b.dst_rank} ({b.nbytes} bytes)")
         return flight
+
+    def _send_list(
+        self, flight: _Round, buckets: tuple[Bucket, ...], tags: _Tags, first: int = 0
+    ) -> list[tuple[int, torch.Tensor, int]]:
+        """The messages of send buckets first..first+len(buckets)-1, registered in `flight`."""
+        sends = []
+        for j, b in enumerate(buckets, start=first):
+            msgs = flight.outgoing[j].messages
+            flight.sends_left[j] = len(msgs)
+            for m, buf in enumerate(msgs):
+                sends.append((b.dst_rank, buf, tags.next(b.dst_rank)))
+                flight.send_refs.append((j, m))
+        return sends
 
     def _track(self, flight: _Round, work: torch.distributed.Work, key: Key, text: str) -> None:
         assert self.waiter is not None
@@ -176,24 +227,37 @@ class _Executor:
             where = f"rank {self.plan.rank}: round {flight.index}: {msg.description}"
             raise TransferError(f"{where} failed (step transfer): {reason}")
         flight.outstanding.discard(msg.key)
-        kind, j = msg.key
+        kind, k = msg.key
         if kind in ("recv", "round"):
-            for k in [j] if kind == "recv" else list(flight.recv_bufs):
-                self._unpack(flight, k)
+            for j, m in [flight.recv_refs[k]] if kind == "recv" else flight.recv_refs:
+                self._land(flight, j, m)
         if kind in ("send", "round"):
-            for k in [j] if kind == "send" else list(flight.send_bufs):
-                self.send_bytes += self.plan.sends[flight.index][k].nbytes
-                self.group.buffers.put(flight.send_bufs.pop(k))  # reusable as soon as the wire is done
+            for j, m in [flight.send_refs[k]] if kind == "send" else flight.send_refs:
+                self._sent(flight, j, m)
         if self.on_progress is not None:
             self.on_progress(self.send_bytes + self.recv_bytes, self.total_bytes)
 
-    def _unpack(self, flight: _Round, j: int) -> None:
+    def _sent(self, flight: _Round, j: int, m: int) -> None:
+        out = flight.outgoing[j]
+        if out.pooled[m]:
+            self.group.buffers.put(out.messages[m])  # reusable as soon as the wire is done
+        flight.sends_left[j] -= 1
+        if flight.sends_left[j] == 0:
+            self.send_bytes += self.plan.sends[flight.index][j].nbytes
+            del flight.outgoing[j]
+
+    def _land(self, flight: _Round, j: int, m: int) -> None:
         bucket = self.plan.recvs[flight.index][j]
         self.where = f"round {flight.index} (unpacking bucket from rank {bucket.src_rank})"
-        assert self.destination is not None
-        buf = flight.recv_bufs.pop(j)
-        bad = unpack_bucket(bucket, buf, self.destination.staged)
-        self.group.buffers.put(buf)
+        inc = flight.incoming[j]
+        land(inc, m, self._staged)
+        if not inc.complete:
+            return
+        bad = bad_transfers(inc)
+        del flight.incoming[j]
+        for buf, pooled in zip(inc.messages, inc.pooled, strict=True):
+            if pooled:
+                self.group.buffers.put(buf)
         if bad:
             t = bad[0]
             raise TransferError(
@@ -205,16 +269,23 @@ class _Executor:
         self.recv_bytes += bucket.nbytes
 
 
-def _tags(buckets: tuple[Bucket, ...], round_index: int, peer_attr: str) -> list[int]:
-    """Message tags: the round, and the bucket's index among this round's buckets with the same peer."""
-    seen: dict[int, int] = {}
-    tags = []
-    for b in buckets:
-        peer = getattr(b, f"{peer_attr}_rank")
-        k = seen.get(peer, 0)
-        seen[peer] = k + 1
-        tags.append(((round_index << _TAG_ROUND_SHIFT) | k) & 0x7FFFFFFF)
-    return tags
+class _Tags:
+    """Message tags of one round: the round, and the message's index among those with the same peer.
+
+    Both ends number a pair's messages in plan order (buckets, then messages in a bucket), so
+    the n-th send to a peer matches the peer's n-th receive from this rank.
+    """
+
+    def __init__(self, round_index: int) -> None:
+        self._round = round_index
+        self._seen: dict[int, int] = {}
+
+    def next(self, peer: int) -> int:
+        k = self._seen.get(peer, 0)
+        if k >= 1 << _TAG_ROUND_SHIFT:
+            raise PlanMismatchError(f"round {self._round}: more than {k} messages with rank {peer}")
+        self._seen[peer] = k + 1
+        return ((self._round << _TAG_ROUND_SHIFT) | k) & 0x7FFFFFFF
 
 
 def run_rank_plan(
@@ -238,7 +309,7 @@ def run_rank_plan(
     ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress)
     try:
         _preflight(group, plan, sources, destination, config)
-        group.agree_digest(sync_id, plan.digest)
+        group.agree_digest(sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}")
         ex.run()
         group.finish(sync_id, config.timeout_s, last_round=len(plan.sends) - 1)
     except Exception as e:

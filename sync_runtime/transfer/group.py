@@ -14,6 +14,7 @@ agree on, the first failure of a sync (`failed`), and the end-of-sync decision (
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 
@@ -30,6 +31,11 @@ _END_FAILED = "failed"
 class ConnectError(TransferError):
     def __init__(self, message: str) -> None:
         super().__init__(message, step="connect")
+
+
+def _short(digest: str) -> str:
+    plan, sep, settings = digest.partition("|")
+    return plan[:16] + sep + settings
 
 
 def _text(raw: bytes | str) -> str:
@@ -91,8 +97,8 @@ class SyncGroup:
             client = dist.TCPStore(
                 store_host, store_port, is_master=False, timeout=timeout, wait_for_workers=False
             )
-            root = dist.PrefixStore(f"weightsync/{group_name}", client)
-            generation = (root.add(f"connect/{world_size}", 1) - 1) // world_size
+            root = _root(client, group_name)
+            generation = (root.add(_connect_key(world_size), 1) - 1) // world_size
             store = dist.PrefixStore(str(generation), root)
             pg = _make_backend(dist.PrefixStore("pg", store), rank, world_size, backend, timeout)
         except Exception as e:  # the store and backend raise several unrelated types
@@ -147,22 +153,21 @@ class SyncGroup:
         return self._syncs
 
     def agree_digest(self, sync_id: int, digest: str) -> None:
+        """Every rank must run the same plan with the same message format (`digest|format`)."""
         agreed = _text(self.store.compare_set(f"sync/{sync_id}/digest", "", digest))
         if agreed != digest:
             raise TransferError(
-                f"rank {self.rank}: plan digest {digest[:16]} differs from the group's {agreed[:16]} "
-                f"(sync {sync_id}, step plan): participants were given different plans",
+                f"rank {self.rank}: plan digest {_short(digest)} differs from the group's {_short(agreed)} "
+                f"(sync {sync_id}, step plan): participants were given different plans or settings",
                 step="plan",
             )
 
     def report_failure(self, sync_id: int, message: str) -> None:
         """Publish this rank's failure (first writer wins) and end the sync as failed. Best effort."""
         self.healthy = False
-        try:
-            self.store.compare_set(f"sync/{sync_id}/failed", "", f"{self.rank}|{message}")
-            self.store.compare_set(f"sync/{sync_id}/end", "", _END_FAILED)
-        except Exception:
-            pass  # the store may be the thing that failed; peers then hit their timeouts
+        # The store may be the thing that failed; peers then hit their timeouts.
+        with contextlib.suppress(Exception):
+            _publish(self.store, sync_id, self.rank, message)
 
     def peer_failure(self, sync_id: int) -> tuple[int, str] | None:
         """(rank, message) of the first rank that failed this sync, if any."""
@@ -220,6 +225,41 @@ class SyncGroup:
             target=_reap, args=(self.backend, self.kind, orphans), name="weightsync-reaper", daemon=True
         )
         reaper.start()
+
+
+def publish_failure(
+    store: dist.Store, *, group_name: str, world_size: int, sync_id: int, rank: int, message: str
+) -> bool:
+    """Publish `rank`'s failure of sync `sync_id` on the latest connection of group `group_name`.
+
+    For whoever hosts the store (the coordinator) when a rank cannot publish its own failure
+    (it died or hangs): every rank of the sync then aborts within one poll interval instead of
+    at its timeout, with `message` as the named cause. Same effect as the rank's own report:
+    the first failure of a sync wins, and the sync ends as failed. `world_size` and `sync_id`
+    are those the ranks use (SyncGroup.connect, the n-th run_rank_plan on the group, from 1).
+    Returns False when no rank ever joined the group (nothing to tell). Raises what the store
+    raises.
+    """
+    root = _root(store, group_name)
+    joined = root.add(_connect_key(world_size), 0)
+    if joined == 0:
+        return False
+    generation = (joined - 1) // world_size  # the connection the ranks joined last
+    _publish(dist.PrefixStore(str(generation), root), sync_id, rank, message)
+    return True
+
+
+def _root(store: dist.Store, group_name: str) -> dist.Store:
+    return dist.PrefixStore(f"weightsync/{group_name}", store)
+
+
+def _connect_key(world_size: int) -> str:
+    return f"connect/{world_size}"
+
+
+def _publish(store: dist.Store, sync_id: int, rank: int, message: str) -> None:
+    store.compare_set(f"sync/{sync_id}/failed", "", f"{rank}|{message}")
+    store.compare_set(f"sync/{sync_id}/end", "", _END_FAILED)
 
 
 def _reap(backend: dist.Backend, kind: str, orphans: list[threading.Thread]) -> None:

@@ -7,6 +7,7 @@ from types import MappingProxyType
 
 import torch
 
+from sync_runtime.layouts.base import Box, box_numel
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from sync_runtime.transfer.config import StagingError
 
@@ -19,9 +20,18 @@ class DestinationWeights:
     in place (`copy_`), so the inference engine's references to them stay valid.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], version: str = "") -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], version: str = "", *, keep_staging: bool = False
+    ) -> None:
+        """`keep_staging=True` keeps staging allocated after a commit for the next sync: twice the
+        weights' memory for good, but on CPU a fresh multi-MB buffer costs a page fault per 4 KiB
+        on first write (about as much as the transfer itself); CUDA's caching allocator already
+        keeps freed blocks, so there it makes little difference."""
         self._live = dict(tensors)
         self.version = version
+        self.keep_staging = keep_staging
+        self._spare: dict[str, torch.Tensor] = {}
+        """Staging buffers of the last committed sync, reused by the next (keep_staging only)."""
         self._staged: dict[str, torch.Tensor] | None = None
         self._pending_version: str | None = None
         self._lock = threading.Lock()
@@ -45,11 +55,13 @@ class DestinationWeights:
             self._staged = {}
             self._pending_version = version
 
-    def staged(self, name: str) -> torch.Tensor:
-        """The staging copy of live tensor `name`, allocated zeroed on first use.
+    def staged(self, name: str, *, fully_written: bool = False) -> torch.Tensor:
+        """The staging copy of live tensor `name`, allocated on first use.
 
-        Zero, not a copy of the live tensor: regions no transfer writes are padding (vocab rows
-        past V), and the previous version must not leak into the new one.
+        Zeroed, not a copy of the live tensor: regions no transfer writes are padding (vocab rows
+        past V), and the previous version must not leak into the new one. `fully_written=True`
+        (on the first call) skips the zeroing: the caller guarantees every element is written
+        before commit (the engine checks that the plan's boxes tile the tensor exactly).
         """
         with self._lock:
             if self._staged is None:
@@ -59,7 +71,12 @@ class DestinationWeights:
                 live = self._live.get(name)
                 if live is None:
                     raise StagingError(f"no live tensor named {name!r} to stage")
-                buf = torch.zeros_like(live, memory_format=torch.contiguous_format)
+                buf = self._spare.pop(name, None)
+                if buf is None:
+                    make = torch.empty_like if fully_written else torch.zeros_like
+                    buf = make(live, memory_format=torch.contiguous_format)
+                elif not fully_written:
+                    buf.zero_()
                 self._staged[name] = buf
             return buf
 
@@ -70,6 +87,8 @@ class DestinationWeights:
                 raise StagingError("commit() without begin(version)")
             for name, buf in self._staged.items():
                 self._live[name].copy_(buf)
+            if self.keep_staging:
+                self._spare = self._staged
             self.version = self._pending_version
             self._staged = None
             self._pending_version = None
@@ -78,5 +97,30 @@ class DestinationWeights:
     def abort(self) -> None:
         """Drop staging; live tensors and version are untouched."""
         with self._lock:
+            # Never reused: a timed-out receive of the failed sync may still write into them.
+            self._spare = {}
             self._staged = None
             self._pending_version = None
+
+
+def tiles_exactly(boxes: list[Box], shape: tuple[int, ...]) -> bool:
+    """True when `boxes` cover every element of `shape` exactly once (no gap, no overlap).
+
+    Disjoint boxes whose sizes add up to the tensor's cover it. Sorting by the first dim's
+    start bounds the pairwise overlap test to boxes that share first-dim rows (few, in plans).
+    """
+    if not shape:
+        return len(boxes) == 1  # a 0-dim tensor: its one element, written once
+    total = 1
+    for size in shape:
+        total *= size
+    if sum(box_numel(b) for b in boxes) != total:
+        return False
+    ordered = sorted(boxes)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if b[0][0] >= a[0][1]:
+                break
+            if all(max(x0, y0) < min(x1, y1) for (x0, x1), (y0, y1) in zip(a, b, strict=True)):
+                return False
+    return True

@@ -17,7 +17,9 @@ from sync_runtime.plan import Bucket
 @dataclass(slots=True)
 class FaultHooks:
     after_pack: Callable[[int, Bucket, torch.Tensor], None] | None = None
-    """(round, bucket, message) after a send buffer was packed and checksummed."""
+    """(round, bucket, tail message) after a bucket was packed and checksummed. The tail holds the
+    small transfers' bytes, then the header of every transfer's checksum: flipping any of its
+    bytes must fail the receiver's verification."""
     before_round: Callable[[int], None] | None = None
     """(round) before a round's messages are posted."""
 
