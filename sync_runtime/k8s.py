@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -117,13 +118,22 @@ def _custom_api() -> Any:
     return client.CustomObjectsApi()
 
 
+def _start_timer(delay_s: float, callback: Callable[[], None]) -> threading.Timer:
+    timer = threading.Timer(delay_s, callback)
+    timer.daemon = True  # a pending progress patch must never keep the runtime alive
+    timer.start()
+    return timer
+
+
 class KubernetesReporter:
     """report.Reporter that patches status.runtime of WeightSync `namespace/name`.
 
     progress() is throttled to one patch per PROGRESS_INTERVAL_S; events in between are coalesced
-    and the newest is sent by the next call after the interval or by flush(). finished() and
+    and the newest is sent when the interval has passed (a timer delivers it even if no further
+    event comes, so a long transfer step is visible while it runs) or by flush(). finished() and
     set_phase() always patch (they supersede pending progress). API errors are logged, never
-    raised: reporting must not fail a sync (finished() retries a few times first).
+    raised: reporting must not fail a sync (finished() retries a few times first). One lock
+    serialises every patch, so a late progress patch can never land after finished().
     """
 
     def __init__(
@@ -136,12 +146,16 @@ class KubernetesReporter:
         now: Callable[[], datetime] = lambda: datetime.now(UTC),
         min_interval: float = PROGRESS_INTERVAL_S,
         environ: Mapping[str, str] = os.environ,
+        schedule: Callable[[float, Callable[[], None]], Any] | None = None,
     ) -> None:
         self.namespace, self.name = namespace, name
         self._api = api
         self._clock, self._now, self._interval = clock, now, min_interval
+        self._schedule = schedule or _start_timer
         self._last_sent = float("-inf")
         self._pending: ProgressEvent | None = None
+        self._timer: Any = None
+        self._lock = threading.RLock()
         self.pod_name, self.pod_uid = environ.get("POD_NAME"), environ.get("POD_UID")
 
     @property
@@ -151,19 +165,32 @@ class KubernetesReporter:
         return self._api
 
     def progress(self, event: ProgressEvent) -> None:
-        self._pending = event
-        if self._clock() - self._last_sent >= self._interval:
-            self.flush()
+        with self._lock:
+            self._pending = event
+            wait = self._interval - (self._clock() - self._last_sent)
+            if wait <= 0:
+                self.flush()
+            elif self._timer is None:
+                self._timer = self._schedule(wait, self.flush)
 
     def flush(self) -> None:
-        if self._pending is not None:
-            event, self._pending = self._pending, None
-            self._last_sent = self._clock()
-            self._patch(progress_patch(event, self._now(), self.pod_name, self.pod_uid))
+        with self._lock:
+            self._timer = None
+            if self._pending is not None:
+                event, self._pending = self._pending, None
+                self._last_sent = self._clock()
+                self._patch(progress_patch(event, self._now(), self.pod_name, self.pod_uid))
+
+    def _drop_pending(self) -> None:
+        self._pending = None
+        if self._timer is not None and hasattr(self._timer, "cancel"):
+            self._timer.cancel()
+        self._timer = None
 
     def finished(self, report: SyncReport) -> None:
-        self._pending = None
-        self._patch(finished_patch(report, self._now(), self.pod_name, self.pod_uid), attempts=3)
+        with self._lock:
+            self._drop_pending()
+            self._patch(finished_patch(report, self._now(), self.pod_name, self.pod_uid), attempts=3)
 
     def set_phase(
         self,
@@ -175,21 +202,23 @@ class KubernetesReporter:
     ) -> None:
         """Connecting before joining the Ray clusters, Idle once connected, Failed (with a CamelCase
         reason such as RayClusterUnreachable and a message) when the runtime cannot work at all."""
-        self._pending = None
-        self._patch(
-            phase_patch(
-                phase,
-                self._now(),
-                version=version,
-                reason=reason,
-                message=message,
-                pod_name=self.pod_name,
-                pod_uid=self.pod_uid,
+        with self._lock:
+            self._drop_pending()
+            self._patch(
+                phase_patch(
+                    phase,
+                    self._now(),
+                    version=version,
+                    reason=reason,
+                    message=message,
+                    pod_name=self.pod_name,
+                    pod_uid=self.pod_uid,
+                )
             )
-        )
 
     def heartbeat(self) -> None:
-        self._patch(_runtime({}, self._now(), self.pod_name, self.pod_uid))
+        with self._lock:
+            self._patch(_runtime({}, self._now(), self.pod_name, self.pod_uid))
 
     def _patch(self, body: dict[str, Any], attempts: int = 1) -> None:
         for attempt in range(attempts):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -110,13 +111,21 @@ class Clock:
 
 def test_reporter_throttles_progress_to_two_per_second() -> None:
     api, clock = FakeApi(), Clock()
+    scheduled: list[float] = []
     r = k8s.KubernetesReporter(
-        "ns", "ws", api=api, clock=clock, now=lambda: T0, environ={"POD_NAME": "p", "POD_UID": "u"}
+        "ns",
+        "ws",
+        api=api,
+        clock=clock,
+        now=lambda: T0,
+        environ={"POD_NAME": "p", "POD_UID": "u"},
+        schedule=lambda delay, callback: scheduled.append(delay) or object(),  # never fires
     )
     for i in range(10):  # 10 events within 0.45 s: one patch
         clock.t = 100.0 + i * 0.05
         r.progress(ProgressEvent(version="v", step=SyncStep.TRANSFER, done_bytes=i))
     assert len(api.patches) == 1
+    assert scheduled == [pytest.approx(0.45)]  # one delivery timer for the held-back events
     clock.t = 100.6
     r.progress(ProgressEvent(version="v", step=SyncStep.TRANSFER, done_bytes=99))
     assert len(api.patches) == 2
@@ -134,6 +143,23 @@ def test_reporter_throttles_progress_to_two_per_second() -> None:
     assert api.patches[-1][0][5]["status"]["runtime"]["phase"] == "Idle"
     r.flush()
     assert len(api.patches) == 4  # nothing pending after finished()
+
+
+def test_reporter_delivers_a_held_back_event_without_another_call() -> None:
+    """A long step (a stalled transfer) must still show up in status.runtime.progress."""
+    api = FakeApi()
+    r = k8s.KubernetesReporter("ns", "ws", api=api, min_interval=0.2, environ={})
+    r.progress(ProgressEvent(version="v", step=SyncStep.PLAN))
+    r.progress(ProgressEvent(version="v", step=SyncStep.TRANSFER, done_bytes=1))
+    assert [p[0][5]["status"]["runtime"]["progress"]["step"] for p in api.patches] == ["plan"]
+    deadline = time.monotonic() + 5
+    while len(api.patches) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert api.patches[-1][0][5]["status"]["runtime"]["progress"]["step"] == "transfer"
+    r.progress(ProgressEvent(version="v", step=SyncStep.VERIFY))
+    r.finished(report())  # supersedes the held-back event: no progress patch after it
+    time.sleep(0.4)
+    assert api.patches[-1][0][5]["status"]["runtime"]["phase"] == "Idle"
 
 
 def test_reporter_never_raises_and_retries_finished(monkeypatch: pytest.MonkeyPatch) -> None:
