@@ -122,6 +122,7 @@ def test_default_values_cluster_wide(helm: str) -> None:
     assert (
         env["WEIGHTSYNC_RUNTIME_SERVICE_ACCOUNT"] == "weightsync-runtime"
         and env["WEIGHTSYNC_METRICS_PORT"] == "8080"
+        and env["WEIGHTSYNC_BIND_ADDRESS"] == "0.0.0.0"
     )
     assert {"name": "metrics", "containerPort": 8080} in container["ports"]
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8080"

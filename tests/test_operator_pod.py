@@ -246,8 +246,10 @@ def test_config_from_env() -> None:
             "WEIGHTSYNC_RUNTIME_ENV": '[{"name": "A", "value": "1"}]',
             "WEIGHTSYNC_METRICS_PORT": "9090",
             "WEIGHTSYNC_RECONCILE_INTERVAL_SECONDS": "2.5",
+            "WEIGHTSYNC_BIND_ADDRESS": "127.0.0.1",
         }
     )
+    assert cfg.bind_address == "127.0.0.1" and OperatorConfig.from_env({}).bind_address == "0.0.0.0"
     assert cfg.runtime.image == "img:9" and cfg.runtime.image_pull_secrets == ("a", "b")
     assert cfg.runtime.env == ({"name": "A", "value": "1"},) and cfg.metrics_port == 9090
     assert cfg.reconcile_interval_seconds == 2.5

@@ -13,6 +13,7 @@ ENV_RUNTIME_PULL_POLICY = "WEIGHTSYNC_RUNTIME_IMAGE_PULL_POLICY"
 ENV_RUNTIME_PULL_SECRETS = "WEIGHTSYNC_RUNTIME_IMAGE_PULL_SECRETS"
 ENV_RUNTIME_ENV = "WEIGHTSYNC_RUNTIME_ENV"
 ENV_METRICS_PORT = "WEIGHTSYNC_METRICS_PORT"
+ENV_BIND_ADDRESS = "WEIGHTSYNC_BIND_ADDRESS"
 ENV_RECONCILE_INTERVAL = "WEIGHTSYNC_RECONCILE_INTERVAL_SECONDS"
 
 
@@ -37,6 +38,8 @@ class RuntimeDefaults:
 class OperatorConfig:
     runtime: RuntimeDefaults = field(default_factory=RuntimeDefaults)
     metrics_port: int = 8080
+    bind_address: str = "0.0.0.0"
+    """Where /metrics listens: all interfaces in a pod (scraped on the pod IP); 127.0.0.1 in tests."""
     reconcile_interval_seconds: float = 5.0
     """Timer period: how soon pod deaths and backoff deadlines are noticed (runtime reports are immediate)."""
 
@@ -60,6 +63,7 @@ class OperatorConfig:
         return cls(
             runtime=runtime,
             metrics_port=_number(environ, ENV_METRICS_PORT, 8080, int),
+            bind_address=environ.get(ENV_BIND_ADDRESS) or "0.0.0.0",
             reconcile_interval_seconds=_number(environ, ENV_RECONCILE_INTERVAL, 5.0, float),
         )
 

@@ -42,7 +42,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.reporting_component = "weightsync-operator"
     load_config()
     memo.config, memo.pods, memo.metrics = CONFIG, KubePodApi(), Metrics()
-    memo.metrics.serve(CONFIG.metrics_port)
+    memo.metrics.serve(CONFIG.metrics_port, CONFIG.bind_address)
 
 
 @kopf.index("pods", labels={LABEL_APP: RUNTIME_APP})

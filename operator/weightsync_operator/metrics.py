@@ -33,5 +33,5 @@ class Metrics:
         self.duration.observe(max(seconds, 0.0))
         self.bytes.inc(max(moved_bytes, 0))
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+    def serve(self, port: int, addr: str) -> None:
         start_http_server(port, addr=addr, registry=self.registry)

@@ -19,6 +19,7 @@ import json
 import re
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -168,9 +169,10 @@ def _values(metrics_port: int, extra_args: list[str] | None = None) -> dict[str,
             # The node agent puts the venv's bin first on PATH: `kopf` is the real kopf CLI.
             "command": ["kopf"],
             "extraArgs": extra_args or [],
-            "healthPort": 0,  # kopf's liveness server binds 0.0.0.0; nothing here listens off loopback
+            "healthPort": 0,  # no kubelet probes here
             "reconcileIntervalSeconds": 1,
         },
+        "bindAddress": "127.0.0.1",  # nothing in the test listens off loopback
         "metrics": {"port": metrics_port},
     }
 
@@ -600,6 +602,11 @@ def test_helm_upgrade_with_changed_values(
     _set_version(kubectl, "v5")
     _wait_synced(kubectl, "v5")
     deployment.verify("v5")
+    # The upgraded operator serves Prometheus metrics on the new port, on loopback only.
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    succeeded = re.search(r'^weightsync_syncs_total\{result="Succeeded"\} (\S+)$', metrics, re.M)
+    assert succeeded and float(succeeded.group(1)) >= 1, metrics[:2000]
+    assert re.search(r"^weightsync_synced_bytes_total \S+$", metrics, re.M), metrics[:2000]
 
 
 def test_destination_killed_mid_sync(release: Release, deployment: Deployment, kubectl: Any) -> None:
