@@ -282,3 +282,37 @@ class RankCache:
         if shard.coord == coord:
             return shard
         return RankShard(coord, shard.tensors, shard.pieces)
+
+
+class RuleLayout:
+    """Plumbing shared by the table-driven layouts: validation once per model and spec, shards
+    cached by the coordinates that matter. Subclasses supply the rules (check, build, shard_key)."""
+
+    name: str
+
+    def __init__(self) -> None:
+        self._cache = RankCache()
+
+    def validate(self, manifest: Manifest, spec: ParallelSpec) -> None:
+        self.check(model_view(manifest), spec)
+
+    def shard(self, manifest: Manifest, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+        view = model_view(manifest)
+        return self._cache.get(
+            view,
+            spec,
+            self.shard_key(view, spec, coord),
+            coord,
+            lambda: self.build(view, spec, coord),
+            lambda: self.check(view, spec),
+        )
+
+    def check(self, view: ModelView, spec: ParallelSpec) -> None:
+        raise NotImplementedError
+
+    def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+        raise NotImplementedError
+
+    def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
+        """The coordinates that decide what the rank holds (DP copies share one cached shard)."""
+        raise NotImplementedError

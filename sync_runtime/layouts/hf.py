@@ -11,22 +11,23 @@ dense MLP. PP stages hold layer ranges as in `stage_layer_ranges`. DP ranks hold
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from sync_runtime.layouts._rules import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
     LayerView,
     ModelView,
-    RankCache,
+    RuleLayout,
     ShardBuilder,
     kv_head_range,
-    model_view,
     part,
     require,
     round_up,
 )
 from sync_runtime.layouts.base import LayoutError, RankShard
-from sync_runtime.manifest import Manifest, TensorMeta
+from sync_runtime.manifest import TensorMeta
 from sync_runtime.topology import ParallelSpec, RankCoord, TopologyError, stage_layer_ranges
 
 NAME = "hf"
@@ -63,22 +64,17 @@ RULES: dict[str, str] = {
 }
 
 
-class HfLayout:
+class HfLayout(RuleLayout):
     name = NAME
 
-    def __init__(self) -> None:
-        self._cache = RankCache()
+    def check(self, view: ModelView, spec: ParallelSpec) -> None:
+        _validate(view, spec)
 
-    def validate(self, manifest: Manifest, spec: ParallelSpec) -> None:
-        _validate(model_view(manifest), spec)
+    def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+        return _build(view, spec, coord)
 
-    def shard(self, manifest: Manifest, spec: ParallelSpec, coord: RankCoord) -> RankShard:
-        view = model_view(manifest)
-        key = (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
-
-        return self._cache.get(
-            view, spec, key, coord, lambda: _build(view, spec, coord), lambda: _validate(view, spec)
-        )
+    def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
+        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
 
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:

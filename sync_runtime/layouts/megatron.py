@@ -28,22 +28,23 @@ expert-DP ranks hold identical copies.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from sync_runtime.layouts._rules import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
     LayerView,
     ModelView,
-    RankCache,
+    RuleLayout,
     ShardBuilder,
     check_coverage,
-    model_view,
     part,
     require,
     round_up,
 )
 from sync_runtime.layouts.base import LayoutError, LocalTensorMeta, Piece, RankShard
-from sync_runtime.manifest import Manifest, TensorMeta
+from sync_runtime.manifest import TensorMeta
 from sync_runtime.topology import ParallelSpec, RankCoord, Role, TopologyError, stage_layer_ranges
 
 NAME = "megatron"
@@ -97,22 +98,18 @@ def chunk_ranges(num_layers: int, spec: ParallelSpec) -> list[list[range]]:
     return out
 
 
-class MegatronLayout:
+class MegatronLayout(RuleLayout):
     name = NAME
 
-    def __init__(self) -> None:
-        self._cache = RankCache()
+    def check(self, view: ModelView, spec: ParallelSpec) -> None:
+        _validate(view, spec)
 
-    def validate(self, manifest: Manifest, spec: ParallelSpec) -> None:
-        _validate(model_view(manifest), spec)
+    def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+        return _build(view, spec, coord)
 
-    def shard(self, manifest: Manifest, spec: ParallelSpec, coord: RankCoord) -> RankShard:
-        view = model_view(manifest)
+    def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
         moe = bool(view.dims.moe_layers)
-        key = (coord.pp_rank, coord.tp_rank, coord.ep_rank if moe else 0, coord.etp_rank if moe else 0)
-        return self._cache.get(
-            view, spec, key, coord, lambda: _build(view, spec, coord), lambda: _validate(view, spec)
-        )
+        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if moe else 0, coord.etp_rank if moe else 0)
 
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:

@@ -18,23 +18,24 @@ stage. Layer names keep global indices; stage ranges come from `stage_layer_rang
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from sync_runtime.layouts._rules import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
     LayerView,
     ModelView,
-    RankCache,
+    RuleLayout,
     ShardBuilder,
     check_coverage,
     kv_head_range,
-    model_view,
     part,
     require,
     round_up,
 )
 from sync_runtime.layouts.base import LayoutError, Piece, RankShard
-from sync_runtime.manifest import Manifest, TensorMeta
+from sync_runtime.manifest import TensorMeta
 from sync_runtime.topology import ParallelSpec, RankCoord, Role, TopologyError, stage_layer_ranges
 
 NAME = "vllm"
@@ -53,21 +54,17 @@ _FULL = (
 )
 
 
-class VllmLayout:
+class VllmLayout(RuleLayout):
     name = NAME
 
-    def __init__(self) -> None:
-        self._cache = RankCache()
+    def check(self, view: ModelView, spec: ParallelSpec) -> None:
+        _validate(view, spec)
 
-    def validate(self, manifest: Manifest, spec: ParallelSpec) -> None:
-        _validate(model_view(manifest), spec)
+    def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+        return _build(view, spec, coord)
 
-    def shard(self, manifest: Manifest, spec: ParallelSpec, coord: RankCoord) -> RankShard:
-        view = model_view(manifest)
-        key = (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
-        return self._cache.get(
-            view, spec, key, coord, lambda: _build(view, spec, coord), lambda: _validate(view, spec)
-        )
+    def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
+        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
 
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:
