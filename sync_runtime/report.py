@@ -92,3 +92,13 @@ class Reporter(Protocol):
     def progress(self, event: ProgressEvent) -> None: ...
 
     def finished(self, report: SyncReport) -> None: ...
+
+
+class NullReporter:
+    """A Reporter that drops everything (tests and callers that only want the returned report)."""
+
+    def progress(self, event: ProgressEvent) -> None:
+        pass
+
+    def finished(self, report: SyncReport) -> None:
+        pass

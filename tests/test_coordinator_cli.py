@@ -25,7 +25,7 @@ from sync_runtime.demo import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.report import SyncResult
+from sync_runtime.report import NullReporter, SyncResult
 
 EXE = Path(sys.executable).parent / "weightsync"
 
@@ -106,21 +106,13 @@ def test_run_config_failure_exits_1(deployment, tmp_path):
 def test_already_current_version_moves_nothing(deployment):
     address, setup = deployment
     coordinator = Coordinator(
-        weightsync_spec(setup, "v1", address=address), _Quiet(), manifest=setup.manifest
+        weightsync_spec(setup, "v1", address=address), NullReporter(), manifest=setup.manifest
     )
     first = coordinator.sync("v1")
     assert first.result is SyncResult.SUCCEEDED
     again = coordinator.sync("v1", skip_if_current=True)
     assert again.result is SyncResult.SUCCEEDED and again.moved_bytes == 0 and again.stages.transfer == 0
     coordinator.close()
-
-
-class _Quiet:
-    def progress(self, event) -> None:
-        pass
-
-    def finished(self, report) -> None:
-        pass
 
 
 def test_restarted_runtime_builds_a_fresh_group(deployment):
@@ -130,11 +122,11 @@ def test_restarted_runtime_builds_a_fresh_group(deployment):
 
     address, setup = deployment
     spec = weightsync_spec(setup, "v1", address=address)
-    first = Coordinator(spec, _Quiet(), manifest=setup.manifest)
+    first = Coordinator(spec, NullReporter(), manifest=setup.manifest)
     assert first.sync("v1").result is SyncResult.SUCCEEDED
     del first  # no close(): its TCPStore goes away with it, like a crashed runtime pod
     gc.collect()
-    second = Coordinator(spec, _Quiet(), manifest=setup.manifest)
+    second = Coordinator(spec, NullReporter(), manifest=setup.manifest)
     report = second.sync("v1")
     assert report.result is SyncResult.SUCCEEDED, report.failure
     assert not report.plan_cached and report.stages.connect > 0

@@ -29,7 +29,7 @@ from sync_runtime.discovery import Participant, TopologyMismatchError, check_sid
 from sync_runtime.layouts import get_layout
 from sync_runtime.layouts.base import LocalTensorMeta
 from sync_runtime.models import build_manifest, load_model_config
-from sync_runtime.report import SyncResult, SyncStep
+from sync_runtime.report import NullReporter, SyncResult, SyncStep
 from sync_runtime.runtime_ops import RayFailure, connect_ray
 from sync_runtime.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 
@@ -154,16 +154,8 @@ def address():
     ray.shutdown()
 
 
-class _Quiet:
-    def progress(self, event) -> None:
-        pass
-
-    def finished(self, report) -> None:
-        pass
-
-
 def _refused_sync(spec: WeightSyncSpec, setup: DemoSetup, *needles: str) -> None:
-    report = Coordinator(spec, _Quiet(), manifest=setup.manifest).sync("v1")
+    report = Coordinator(spec, NullReporter(), manifest=setup.manifest).sync("v1")
     assert report.result is SyncResult.FAILED
     assert report.failure.reason == "TopologyMismatch" and report.failure.step is SyncStep.DISCOVER
     for needle in needles:

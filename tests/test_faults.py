@@ -31,7 +31,7 @@ from sync_runtime.demo import (
     weightsync_spec,
 )
 from sync_runtime.demo_weights import DemoDestination, DemoSource
-from sync_runtime.report import SyncResult, SyncStep
+from sync_runtime.report import NullReporter, SyncResult, SyncStep
 from sync_runtime.topology import RankCoord, Role
 
 TIMEOUT_S = 4
@@ -90,21 +90,13 @@ def deployment():
         address=address,
         transport=Transport(transfer_timeout_seconds=TIMEOUT_S, connect_timeout_seconds=30),
     )
-    coordinator = Coordinator(spec, _Quiet(), manifest=setup.manifest)
+    coordinator = Coordinator(spec, NullReporter(), manifest=setup.manifest)
     report = coordinator.sync("v1")  # a good sync first: failures below must keep v1
     assert report.result is SyncResult.SUCCEEDED, report.failure
     yield setup, coordinator
     coordinator.close()
     kill_participants(setup)
     ray.shutdown()
-
-
-class _Quiet:
-    def progress(self, event) -> None:
-        pass
-
-    def finished(self, report) -> None:
-        pass
 
 
 def _handles(setup: DemoSetup, role: Role):
