@@ -7,6 +7,7 @@ here talks to Ray and turns its errors into a `SyncFailure` naming the rank, act
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -31,7 +32,7 @@ from sync_runtime.manifest import Manifest
 from sync_runtime.models import ModelConfigError, build_manifest, load_model_config
 from sync_runtime.report import SyncFailure, SyncStep
 from sync_runtime.topology import Role
-from sync_runtime.transfer import RankResult, SyncGroup, TransferConfig
+from sync_runtime.transfer import RankResult, TransferConfig, publish_failure
 
 if TYPE_CHECKING:
     from sync_runtime.coordinator import Session
@@ -366,20 +367,17 @@ def mark_failed(store: Any, session: Session, sync_id: int, failure: SyncFailure
     """Publish a failure the failing rank cannot publish itself (it died or hangs), so the other
     ranks abort within one poll interval instead of waiting for their own timeouts.
 
-    Uses the engine's own control-plane code on the coordinator's store: the group's keys live
-    under `weightsync/<group_name>/<generation>/`, generation 0 because the coordinator joins
-    every group name exactly once.
+    Idempotent: the first failure published for a sync wins (a rank's own report or this).
+    `timeout_s` is unused (the store's own timeout applies); kept for the callers.
     """
-    import torch.distributed as dist
-
-    prefix = dist.PrefixStore(f"weightsync/{session.group_name}/0", store)
-    proxy = SyncGroup(
-        store=prefix,
-        backend=None,
-        rank=failure.rank if failure.rank is not None else -1,
-        world_size=len(session.participants),
-        kind="gloo",
-        timeout_s=timeout_s,
-        name=session.group_name,
-    )
-    proxy.report_failure(sync_id, f"[coordinator] {failure.reason}: {failure.message}")
+    # Best effort: should the store fail, the ranks still stop at their own timeouts, and the
+    # report names the cause from the coordinator's side anyway.
+    with contextlib.suppress(Exception):
+        publish_failure(
+            store,
+            group_name=session.group_name,
+            world_size=len(session.participants),
+            sync_id=sync_id,
+            rank=failure.rank if failure.rank is not None else -1,
+            message=f"[coordinator] {failure.reason}: {failure.message}",
+        )
