@@ -21,6 +21,7 @@ and summation order gives the same value: a sender on a GPU and a receiver on a 
 from __future__ import annotations
 
 import hashlib
+import struct
 import threading
 
 import numpy as np
@@ -61,15 +62,15 @@ def _offset_words(data: torch.Tensor, count: int, *, portable: bool = False) -> 
     return lo | (halves[2 : 2 * count + 1 : 2].to(torch.int64) << 32)
 
 
-def _weighted_sums(words: torch.Tensor, weights: torch.Tensor) -> list[torch.Tensor]:
+def _weighted_sums(words: torch.Tensor, weights: torch.Tensor) -> list[int]:
     sums = []
     for start in range(0, words.numel(), CHUNK_WORDS):
         chunk = words[start : start + CHUNK_WORDS]
         k = weights[: chunk.numel()]
         if chunk.device.type == "cpu":
-            sums.append(torch.dot(chunk, k))  # one fused multiply-accumulate pass, no temporary
+            sums.append(int(torch.dot(chunk, k)))  # one fused multiply-accumulate pass, no temporary
         else:
-            sums.append((chunk * k).sum())  # CUDA has no integer dot; bandwidth is plentiful there
+            sums.append(int((chunk * k).sum()))  # CUDA has no integer dot; bandwidth is plentiful there
     return sums
 
 
@@ -83,12 +84,11 @@ def checksum_bytes(data: torch.Tensor) -> int:
     weights = _weights_for(data.device)
     sums = _weighted_sums(data[: 8 * n1].view(torch.int64), weights)
     sums += _weighted_sums(_offset_words(data, n2), weights)
-    h = hashlib.blake2b(digest_size=8)
-    h.update(n.to_bytes(8, "little"))
-    if sums:
-        h.update(torch.stack(sums).cpu().numpy().tobytes())
-    h.update(bytes(data[min(4 + 8 * n2, 8 * n1) :].cpu().tolist()))
-    return int.from_bytes(h.digest(), "little", signed=True)
+    # Most checksummed regions are small (norms, biases, small packed pieces): the Python
+    # around the two dot products is kept to a few calls.
+    tail = data[min(4 + 8 * n2, 8 * n1) :].cpu().numpy().tobytes()
+    head = struct.pack(f"<q{len(sums)}q", n, *sums)
+    return int.from_bytes(hashlib.blake2b(head + tail, digest_size=8).digest(), "little", signed=True)
 
 
 def checksum_tensor(t: torch.Tensor) -> int:
