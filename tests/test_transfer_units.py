@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -202,3 +204,18 @@ def test_publish_failure_reaches_the_ranks_latest_connection() -> None:
     finally:
         old.close()
         new.close()
+
+
+def test_large_host_staging_is_zeroed_writable_and_outlives_its_mapping() -> None:
+    live = torch.ones(3000, 1000, dtype=torch.bfloat16)  # 6 MB: an mmap'd, huge-page buffer
+    dw = DestinationWeights({"w": live}, version="v0")
+    dw.begin("v1")
+    buf = dw.staged("w")
+    assert buf.shape == live.shape and buf.dtype == live.dtype and buf.is_contiguous()
+    assert not buf.view(torch.int16).any()  # the kernel zeroed it: padding needs no zero pass
+    buf[-1, -1] = 2.0
+    del buf
+    gc.collect()
+    dw.staged("w")[0, 0] = 3.0  # the mapping lives as long as the staged tensor
+    dw.commit()
+    assert live[0, 0] == 3.0 and live[-1, -1] == 2.0 and live[1, 1] == 0.0
