@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 K8S_DIR = Path(__file__).resolve().parents[1] / "k8s"
+REPO_ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(K8S_DIR))
 
 from controlplane import ControlPlane, ensure_binaries  # noqa: E402
@@ -87,6 +88,11 @@ class NodeAgentProcess:
             path_prefix,
             "--workdir",
             str(self.workdir / "pods"),
+            # What the image would contain: this checkout (editable install) and the venv.
+            "--image-path",
+            str(REPO_ROOT),
+            "--image-path",
+            sys.prefix,
             *extra_args,
         ]
         with open(self.log_path, "wb") as log:

@@ -16,6 +16,9 @@ bind-mounted on its ``mountPath`` -- so ``/var/run/secrets/kubernetes.io/service
 that do not exist are created (empty) on the host first. If ``unshare`` is not permitted (or
 ``--no-mount-ns``), volumes are not mounted: the process gets ``KUBECONFIG`` pointing at a per-pod
 kubeconfig built from the pod's token and CA and ``WEIGHTSYNC_VOLUMES`` naming the volume dir.
+Host paths given with ``--image-path`` (the project checkout and its venv) stand for the image's
+content: they stay visible in every container even where a volume is mounted on a parent (the
+chart's pods mount an emptyDir on ``/tmp``, which would hide a checkout under ``/tmp``).
 
 Status is reported like a kubelet: phase, conditions, container states, exit codes,
 termination messages (``terminationMessagePath``, or the log tail for
@@ -373,12 +376,20 @@ class PodRunner(threading.Thread):
             ]
             mounts.append((term, c.get("terminationMessagePath", "/dev/termination-log")))
             script = ["set -e"]
+            # Hold the image paths before any volume can hide them; restore them after the volumes.
+            holds = [(self.dir / "image" / str(i), p) for i, p in enumerate(self.agent.image_paths)]
+            for hold, path in holds:
+                hold.mkdir(parents=True, exist_ok=True)
+                script.append(f"mount --bind {shlex.quote(path)} {shlex.quote(str(hold))}")
             for src, dst in mounts:
                 q, s = shlex.quote(dst), shlex.quote(str(src.resolve()))
                 mk = (
                     f"mkdir -p {q}" if src.is_dir() else f'mkdir -p "$(dirname {q})"; [ -e {q} ] || touch {q}'
                 )
                 script += [mk, f"mount --bind {s} {q}"]
+            for hold, path in holds:
+                q = shlex.quote(path)
+                script += [f"mkdir -p {q}", f"mount --bind {shlex.quote(str(hold))} {q}"]
             script += [f"mkdir -p {shlex.quote(cwd)}", f"cd {shlex.quote(cwd)}", 'exec "$@"']
             cmd = [
                 "unshare",
@@ -547,9 +558,16 @@ def mount_ns_available() -> bool:
 
 class NodeAgent:
     def __init__(
-        self, kubeconfig: str, node: str, path_prefix: list[str], workdir: Path, mount_ns: bool = True
+        self,
+        kubeconfig: str,
+        node: str,
+        path_prefix: list[str],
+        workdir: Path,
+        mount_ns: bool = True,
+        image_paths: list[str] | None = None,
     ) -> None:
         self.api, self.node, self.workdir = Api(kubeconfig), node, workdir
+        self.image_paths = [os.path.realpath(p) for p in image_paths or []]
         self.path = os.pathsep.join([*path_prefix, os.environ.get("PATH", "/usr/bin:/bin")])
         self.port = int(self.api.server.rsplit(":", 1)[1].split("/")[0])
         self.mount_ns = mount_ns and mount_ns_available()
@@ -694,8 +712,14 @@ def main() -> None:
     ap.add_argument("--path-prefix", action="append", default=[], help="dir put first on PATH")
     ap.add_argument("--workdir", type=Path, required=True, help="per-pod dirs and logs go here")
     ap.add_argument("--no-mount-ns", action="store_true", help="force the KUBECONFIG fallback")
+    ap.add_argument(
+        "--image-path",
+        action="append",
+        default=[],
+        help="host path kept visible in containers (image content)",
+    )
     a = ap.parse_args()
-    agent = NodeAgent(a.kubeconfig, a.node_name, a.path_prefix, a.workdir, not a.no_mount_ns)
+    agent = NodeAgent(a.kubeconfig, a.node_name, a.path_prefix, a.workdir, not a.no_mount_ns, a.image_path)
 
     def on_term(*_: object) -> None:
         agent.shutdown()
