@@ -70,6 +70,20 @@ class Parallelism(CrdModel):
     replicas: int = Field(1, ge=1)
     layer_counts: list[int] | None = None
 
+    @classmethod
+    def from_spec(cls, spec: ParallelSpec) -> Parallelism:
+        """The declared parallelism of a ParallelSpec (inverse of to_spec)."""
+        return cls(
+            tp=spec.tp,
+            pp=spec.pp,
+            dp=spec.dp,
+            ep=spec.ep,
+            etp=spec.etp,
+            vpp=spec.vpp,
+            replicas=spec.replicas,
+            layer_counts=list(spec.layer_counts) if spec.layer_counts else None,
+        )
+
     def to_spec(self) -> ParallelSpec:
         return ParallelSpec(
             tp=self.tp,

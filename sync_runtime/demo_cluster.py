@@ -167,23 +167,13 @@ def weightsync_spec(
     """The WeightSync the demo (or a test) runs; `src`/`dst` override the declared parallelism."""
 
     def ref(name: str, prefix: str, layout: str, spec: ParallelSpec) -> DeploymentRef:
-        par = Parallelism(
-            tp=spec.tp,
-            pp=spec.pp,
-            dp=spec.dp,
-            ep=spec.ep,
-            etp=spec.etp,
-            vpp=spec.vpp,
-            replicas=spec.replicas,
-            layer_counts=list(spec.layer_counts) if spec.layer_counts else None,
-        )
         return DeploymentRef(
             name=name,
             ray_address=address,
             ray_namespace=setup.namespace,
             actor_prefix=prefix,
             layout=layout,
-            parallelism=par,
+            parallelism=Parallelism.from_spec(spec),
         )
 
     return WeightSyncSpec(

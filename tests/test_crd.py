@@ -20,6 +20,7 @@ from sync_runtime.crd import (
     resolve_ray_address,
     spec_problems,
 )
+from sync_runtime.topology import ParallelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "weightsyncs.weightsync.io.yaml"
@@ -314,3 +315,12 @@ def test_status_parses_api_output_and_tolerates_new_fields() -> None:
         "anything": True,
     }
     assert status.restarts.count == 0 and status.condition("Degraded") is None
+
+
+def test_parallelism_round_trips_through_parallel_spec() -> None:
+    spec = ParallelSpec(tp=4, pp=3, dp=2, ep=8, etp=1, vpp=1, layer_counts=(3, 3, 2))
+    par = crd.Parallelism.from_spec(spec)
+    assert par.layer_counts == [3, 3, 2] and par.ep == 8
+    assert par.to_spec() == spec
+    replicated = ParallelSpec(tp=2, replicas=3)
+    assert crd.Parallelism.from_spec(replicated).to_spec() == replicated
