@@ -42,10 +42,8 @@ def find_helm() -> str | None:
 @pytest.fixture(scope="module")
 def helm() -> str:
     path = find_helm()
-    if path is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("helm not found (run tests/k8s/ensure_binaries.sh); CI must run the chart tests")
-        pytest.skip("helm not found (run tests/k8s/ensure_binaries.sh)")
+    if path is None:  # make test installs it; a chart test never passes by skipping
+        pytest.fail("helm not found: run tests/k8s/ensure_binaries.sh (make test does)")
     return path
 
 
