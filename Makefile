@@ -4,6 +4,9 @@
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 ARGS ?=
+# The clone's own sources come first for every process make starts (Ray workers, rank processes,
+# pods of the test control plane), whatever copy of the project the shared venv holds.
+export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
 .PHONY: demo test lint unit e2e bench bench-plan bench-transfer chart-crds k8s-bins
 

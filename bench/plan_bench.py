@@ -77,7 +77,7 @@ def run_case(case: Case, relay: str, workdir: Path) -> dict:
         path.write_text(json.dumps(LLAMA_24_HEADS))
         model = str(path)
     argv = ["plan", "--model", model, "--src", case.src, "--dst", case.dst, "--relay", relay, "--json"]
-    code = "import sys; from sync_runtime.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from sync_runtime.cli.main import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"{case.name}: weightsync plan failed ({out.returncode}): {out.stderr.strip()}")

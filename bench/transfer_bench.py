@@ -30,12 +30,12 @@ from dataclasses import dataclass
 
 import torch
 
-from sync_runtime.layouts.base import Piece
-from sync_runtime.topology import Role
+from sync_runtime.core.layouts.base import Piece
+from sync_runtime.core.topology import Role
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
 from sync_runtime.transfer.buffers import box_slices
-from sync_runtime.transfer.local import LocalWorld, RankContext
-from sync_runtime.transfer.scenario import Scenario
+from tests.support.local_ranks import LocalWorld, RankContext
+from tests.support.scenario import Scenario
 
 TIMEOUT_S = 300.0
 # A llama whose heads split 3 ways and 2 ways (nh=24, nkv=6), about 400 MB in bf16.

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from sync_runtime import cli
-from sync_runtime.manifest import Manifest, TensorMeta
+from sync_runtime.cli import main as cli
+from sync_runtime.core.manifest import Manifest, TensorMeta
 
 JSON_KEYS = {
     "plan_seconds",
@@ -145,7 +145,7 @@ def test_simulate_ok(capsys: pytest.CaptureFixture[str]) -> None:
 def test_simulate_reports_a_mismatch(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sync_runtime.simulate as sim
+    import sync_runtime.planner.simulate as sim
 
     real = sim.simulate
 

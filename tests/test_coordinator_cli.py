@@ -15,9 +15,7 @@ import pytest
 import ray
 import yaml
 
-from sync_runtime.coordinator import Coordinator
-from sync_runtime.crd import SecretKeyRef, ray_token_env_name
-from sync_runtime.demo import (
+from sync_runtime.demo.run import (
     DemoSetup,
     create_participants,
     kill_participants,
@@ -25,7 +23,9 @@ from sync_runtime.demo import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.report import NullReporter, SyncResult
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import SecretKeyRef, ray_token_env_name
+from sync_runtime.schema.report import NullReporter, SyncResult
 
 EXE = Path(sys.executable).parent / "weightsync"
 

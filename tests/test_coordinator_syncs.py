@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 import ray
 
-from sync_runtime.coordinator import Coordinator
-from sync_runtime.crd import Transport
-from sync_runtime.demo import (
+from sync_runtime.demo.run import (
     DemoSetup,
     create_participants,
     destination_participants,
@@ -26,8 +24,10 @@ from sync_runtime.demo import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo_weights import shard_arrays, torch_to_bits
-from sync_runtime.report import ProgressEvent, SyncReport, SyncResult, SyncStep
+from sync_runtime.demo.weights import shard_arrays, torch_to_bits
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import ProgressEvent, SyncReport, SyncResult, SyncStep
 
 # 6 heads and 6 KV heads, vocab 960: TP 3 and TP 2 are both legal on both sides (DESIGN 4.1/4.2).
 TP6_CONFIG = {

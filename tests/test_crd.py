@@ -9,8 +9,9 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from sync_runtime import crd
-from sync_runtime.crd import (
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.schema import crd
+from sync_runtime.schema.crd import (
     Condition,
     DeploymentRef,
     RuntimeStatus,
@@ -20,7 +21,6 @@ from sync_runtime.crd import (
     resolve_ray_address,
     spec_problems,
 )
-from sync_runtime.topology import ParallelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "weightsyncs.weightsync.io.yaml"

@@ -1,7 +1,7 @@
 """The bad-manifest table, checked offline: each case is refused with its expected text.
 
 Schema and strict cases go through the CRD's openAPIV3Schema (tests/bad_manifests/offline.py);
-CEL cases through sync_runtime.crd.spec_problems, which mirrors the CEL rules message for
+CEL cases through sync_runtime.schema.crd.spec_problems, which mirrors the CEL rules message for
 message; transition and condition cases through the same logic the CRD rule / operator uses.
 The authoritative run (real kube-apiserver, kubectl) is in the e2e suite.
 """
@@ -19,7 +19,13 @@ from weightsync_operator.pod import PodPhase, PodState
 from weightsync_operator.retry import PodAction, PodDecision
 from weightsync_operator.status import derive_status
 
-from sync_runtime.crd import RestartStatus, RuntimeStatus, WeightSyncSpec, WeightSyncStatus, spec_problems
+from sync_runtime.schema.crd import (
+    RestartStatus,
+    RuntimeStatus,
+    WeightSyncSpec,
+    WeightSyncStatus,
+    spec_problems,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "crds" / "weightsyncs.weightsync.io.yaml").read_text())["spec"]["versions"][

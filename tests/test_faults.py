@@ -18,9 +18,8 @@ import time
 import pytest
 import ray
 
-from sync_runtime.coordinator import Coordinator
-from sync_runtime.crd import Transport
-from sync_runtime.demo import (
+from sync_runtime.core.topology import RankCoord, Role
+from sync_runtime.demo.run import (
     DemoSetup,
     create_participants,
     destination_name,
@@ -30,9 +29,10 @@ from sync_runtime.demo import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo_weights import DemoDestination, DemoSource
-from sync_runtime.report import NullReporter, SyncResult, SyncStep
-from sync_runtime.topology import RankCoord, Role
+from sync_runtime.demo.weights import DemoDestination, DemoSource
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import NullReporter, SyncResult, SyncStep
 
 TIMEOUT_S = 4
 MARGIN_S = 8.0

@@ -9,15 +9,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sync_runtime.layouts import LAYOUTS, LayoutError, get_layout
-from sync_runtime.layouts.base import RankShard
-from sync_runtime.layouts.hf import HfLayout
-from sync_runtime.layouts.materialize import coverage, materialize, reconstruct
-from sync_runtime.layouts.megatron import MegatronLayout, chunk_ranges
-from sync_runtime.layouts.vllm import VllmLayout
-from sync_runtime.manifest import Manifest, TensorMeta
-from sync_runtime.models import build_manifest, load_model_config
-from sync_runtime.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.core.layouts import LAYOUTS, get_layout
+from sync_runtime.core.layouts.base import RankShard
+from sync_runtime.core.layouts.hf import HfLayout
+from sync_runtime.core.layouts.materialize import coverage, materialize, reconstruct
+from sync_runtime.core.layouts.megatron import MegatronLayout, chunk_ranges
+from sync_runtime.core.layouts.vllm import VllmLayout
+from sync_runtime.core.manifest import Manifest, TensorMeta
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.errors import LayoutError
 
 SRC, DST = Role.SOURCE, Role.DESTINATION
 

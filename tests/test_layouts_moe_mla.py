@@ -7,13 +7,14 @@ import time
 import numpy as np
 import pytest
 
-from sync_runtime.layouts import LayoutError, get_layout
-from sync_runtime.layouts.materialize import materialize
-from sync_runtime.layouts.megatron import MegatronLayout
-from sync_runtime.layouts.vllm import VllmLayout
-from sync_runtime.manifest import Manifest
-from sync_runtime.models import build_manifest, load_model_config
-from sync_runtime.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.layouts.materialize import materialize
+from sync_runtime.core.layouts.megatron import MegatronLayout
+from sync_runtime.core.layouts.vllm import VllmLayout
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.errors import LayoutError
 from tests.test_layouts import assert_round_trip, canon_of
 
 SRC, DST = Role.SOURCE, Role.DESTINATION

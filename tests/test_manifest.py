@@ -6,13 +6,8 @@ import json
 
 import pytest
 
-from sync_runtime.models import (
-    ModelConfigError,
-    available_presets,
-    build_manifest,
-    load_model_config,
-    model_dims,
-)
+from sync_runtime.core.models import available_presets, build_manifest, load_model_config, model_dims
+from sync_runtime.errors import ModelConfigError
 
 
 def manifest(preset: str, **overrides: object):

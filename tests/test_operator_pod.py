@@ -15,7 +15,7 @@ from weightsync_operator.pod import (
     topology_hash,
 )
 
-from sync_runtime.crd import WeightSyncSpec
+from sync_runtime.schema.crd import WeightSyncSpec
 
 SPEC = {
     "version": "v1",

@@ -15,7 +15,7 @@ from weightsync_operator.metrics import Metrics
 from weightsync_operator.pod import MISSING, PodPhase, PodState, observe_pod, topology_hash
 from weightsync_operator.reconcile import reconcile
 
-from sync_runtime.crd import WeightSyncSpec
+from sync_runtime.schema.crd import WeightSyncSpec
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 SPEC = {

@@ -9,7 +9,7 @@ from weightsync_operator.pod import MISSING, PodPhase, PodState
 from weightsync_operator.retry import PodAction, PodDecision
 from weightsync_operator.status import derive_status, status_patch
 
-from sync_runtime.crd import (
+from sync_runtime.schema.crd import (
     Phase,
     RestartStatus,
     RuntimeStatus,
@@ -17,7 +17,7 @@ from sync_runtime.crd import (
     WeightSyncSpec,
     WeightSyncStatus,
 )
-from sync_runtime.report import SyncFailure, SyncReport, SyncResult, SyncStep
+from sync_runtime.schema.report import SyncFailure, SyncReport, SyncResult, SyncStep
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 SPEC = WeightSyncSpec.model_validate(

@@ -18,14 +18,15 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from sync_runtime.layouts import get_layout
-from sync_runtime.layouts.base import LayoutError, box_numel
-from sync_runtime.manifest import DTYPE_BYTES, Manifest
-from sync_runtime.models import build_manifest, load_model_config
-from sync_runtime.plan import SyncPlan
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.layouts.base import box_numel
+from sync_runtime.core.manifest import DTYPE_BYTES, Manifest
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.plan import SyncPlan
+from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
+from sync_runtime.errors import LayoutError, TopologyError
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
-from sync_runtime.simulate import check_plan
-from sync_runtime.topology import ParallelSpec, Role, TopologyError, enumerate_ranks
+from sync_runtime.planner.simulate import check_plan
 
 SETTINGS = settings(
     max_examples=150,
@@ -324,9 +325,9 @@ def test_non_multiple_tp_three_to_two() -> None:
 
 
 DIGEST_SCRIPT = """
-from sync_runtime.models import build_manifest, load_model_config
+from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
-from sync_runtime.topology import ParallelSpec, Role, enumerate_ranks
+from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 m = build_manifest(load_model_config("tiny-qwen3-moe"))
 s, d = ParallelSpec.parse("tp=2,pp=2,dp=2,ep=2"), ParallelSpec.parse("tp=2,ep=2,replicas=2")
 plan = plan_sync(m, SideSpec("megatron", s, tuple(enumerate_ranks(s, Role.SOURCE))),

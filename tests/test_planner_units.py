@@ -6,16 +6,17 @@ import dataclasses
 
 import pytest
 
-from sync_runtime.layouts.base import Box, Layout, LayoutError, Piece, RankShard
-from sync_runtime.manifest import Manifest
-from sync_runtime.models import build_manifest, load_model_config
-from sync_runtime.plan import Transfer
-from sync_runtime.planner import PlanError, PlannerConfig, SideSpec, plan_sync
+from sync_runtime.core.layouts.base import Box, Layout, Piece, RankShard
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.plan import Transfer
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.errors import LayoutError, PlanError, TopologyError
+from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.refine import SourceCell, build_cells, intersect, split_rows, to_local
 from sync_runtime.planner.schedule import direct_queue, pack_buckets, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
-from sync_runtime.topology import ParallelSpec, RankCoord, Role, TopologyError, enumerate_ranks
 
 # ---- geometry ----------------------------------------------------------------------------------
 
@@ -227,7 +228,7 @@ def test_tensor_no_source_rank_holds_is_named() -> None:
             pieces = tuple(p for p in shard.pieces if p.tensor != "model.norm.weight")
             return dataclasses.replace(shard, pieces=pieces)
 
-    from sync_runtime.layouts import get_layout
+    from sync_runtime.core.layouts import get_layout
 
     def lookup(name: str) -> Layout:
         return Forgetful(get_layout("megatron")) if name == "forgetful" else get_layout(name)

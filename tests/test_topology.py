@@ -2,14 +2,14 @@
 
 import pytest
 
-from sync_runtime.topology import (
+from sync_runtime.core.topology import (
     ParallelSpec,
     Role,
-    TopologyError,
     enumerate_ranks,
     source_expert_coords,
     stage_layer_ranges,
 )
+from sync_runtime.errors import TopologyError
 
 
 def test_parse_round_trip() -> None:

@@ -13,11 +13,11 @@ from collections.abc import Iterator, Mapping
 import pytest
 import torch
 
-from sync_runtime.plan import Bucket, Round, SyncPlan, Transfer
-from sync_runtime.topology import RankCoord, Role
+from sync_runtime.core.plan import Bucket, Round, SyncPlan, Transfer
+from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
 from sync_runtime.transfer import testing as fault_hooks
-from sync_runtime.transfer.local import LocalWorld, RankContext
+from tests.support.local_ranks import LocalWorld, RankContext
 
 WORLD = 3
 DEFAULT_DIRECT = TransferConfig().direct_min_bytes

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from sync_runtime.topology import Role
+from sync_runtime.core.topology import Role
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
-from sync_runtime.transfer.local import LocalWorld, RankContext
-from sync_runtime.transfer.scenario import Scenario, mismatches, rank_tensors
+from tests.support.local_ranks import LocalWorld, RankContext
+from tests.support.scenario import Scenario, mismatches, rank_tensors
 
 POOL = 6
 SMALL = {"bucket_bytes": 48 * 1024, "staging_budget_bytes": 256 * 1024}

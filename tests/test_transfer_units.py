@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sync_runtime.plan import Bucket, RankPlan, Transfer
+from sync_runtime.core.plan import Bucket, RankPlan, Transfer
 from sync_runtime.transfer import (
     DestinationWeights,
     PlanMismatchError,

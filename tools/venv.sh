@@ -1,29 +1,48 @@
 #!/usr/bin/env bash
 # Print the path of the project's virtualenv, creating it when missing.
-# The venv lives outside the clone, keyed by a hash of the pinned dependencies in pyproject.toml,
-# so every clone on this machine (and CI's fresh clone) reuses it. The project itself is installed
-# editable on every call (cheap), so the venv always points at the calling clone's sources.
+#
+# The venv lives outside the clone, keyed by a hash of constraints.txt, pyproject.toml's
+# requirements and the Python version, so every clone on this machine (and CI's fresh clone)
+# reuses one set of installed dependencies. The project itself goes in as a regular,
+# non-editable install of the calling clone: no clone's path is recorded in the venv, so
+# deleting one clone never breaks another. `make` also puts the clone first on PYTHONPATH, so a
+# clone always runs its own sources even if another clone reinstalled since.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cache="${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}"
-key="$(python3 - "$root/pyproject.toml" <<'PY'
-import hashlib, sys, tomllib
-d = tomllib.load(open(sys.argv[1], "rb"))
-pins = d["build-system"]["requires"] + d["project"]["dependencies"] + d["project"]["optional-dependencies"]["dev"]
-print(hashlib.sha256("\n".join(pins).encode()).hexdigest()[:12])
+python="$(bash "$root/tools/python312.sh")"
+# What gets installed: pyproject.toml's requirements with all our extras, under constraints.txt.
+requirements="$("$python" - "$root/pyproject.toml" <<'PY'
+import sys, tomllib
+project = tomllib.load(open(sys.argv[1], "rb"))["project"]
+extras = project["optional-dependencies"]
+print("\n".join(project["dependencies"] + extras["plot"] + extras["dev"] + extras["engines"]))
 PY
 )"
-venv="$cache/venv-$key"
+key="$(printf '%s\n' "$requirements" | cat - "$root/constraints.txt" <("$python" --version) | sha256sum | cut -c1-12)"
+venv="$cache/venv-py312-$key"
+mkdir -p "$cache"
+exec 9>"$cache/venv.lock"
+flock 9   # concurrent callers (parallel makes, several clones) wait instead of racing the install
+pip=("$venv/bin/pip" install -q --disable-pip-version-check -c "$root/constraints.txt")
 if [ ! -f "$venv/.complete" ]; then
-  echo "venv: creating $venv (first run downloads torch and ray; a few minutes)" >&2
+  echo "venv: creating $venv (first run downloads torch, ray and the engines; a few minutes)" >&2
+  start=$(date +%s)
   rm -rf "$venv"
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "setuptools==80.9.0" >&2
-  "$venv/bin/pip" install -q --disable-pip-version-check -e "$root[dev]" >&2
+  "$python" -m venv "$venv"
+  "${pip[@]}" setuptools >&2
+  # Dependencies first (the project's own extras), so a source edit never reinstalls torch.
+  printf '%s\n' "$requirements" >"$venv/requirements.txt"
+  "${pip[@]}" -r "$venv/requirements.txt" >&2
   touch "$venv/.complete"
+  echo "venv: created in $(( $(date +%s) - start ))s" >&2
 else
   echo "venv: cache hit $venv" >&2
-  # Re-point the editable install at this clone (a few seconds, no downloads).
-  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation -e "$root" >&2
 fi
+# The calling clone's code, copied into the venv (a few seconds, no downloads). Build outputs go
+# to a temporary folder so the clone stays clean.
+build="$(mktemp -d)"
+trap 'rm -rf "$build"' EXIT
+cp -r "$root/pyproject.toml" "$root/README.md" "$root/sync_runtime" "$root/operator" "$build/"
+"$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall "$build" >&2
 echo "$venv"

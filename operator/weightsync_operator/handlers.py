@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from sync_runtime.crd import GROUP, PLURAL, VERSION
+from sync_runtime.schema.crd import GROUP, PLURAL, VERSION
 from weightsync_operator.config import OperatorConfig
 from weightsync_operator.kube import KubePodApi, load_config
 from weightsync_operator.metrics import Metrics

@@ -10,7 +10,13 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
-from sync_runtime.crd import API_VERSION, KIND, RAY_TOKEN_ENV_PREFIX, WeightSyncSpec, ray_token_env_name
+from sync_runtime.schema.crd import (
+    API_VERSION,
+    KIND,
+    RAY_TOKEN_ENV_PREFIX,
+    WeightSyncSpec,
+    ray_token_env_name,
+)
 from weightsync_operator.config import RuntimeDefaults
 
 LABEL_APP = "app.kubernetes.io/name"
@@ -69,10 +75,7 @@ def _env(ws_name: str, namespace: str, spec: WeightSyncSpec, defaults: RuntimeDe
     return env
 
 
-def render_runtime_pod(
-    ws_name: str, namespace: str, uid: str, spec: WeightSyncSpec, defaults: RuntimeDefaults
-) -> dict[str, Any]:
-    """The runtime pod the operator creates for WeightSync `namespace/ws_name` (a Pod manifest dict)."""
+def _runtime_container(ws_name: str, namespace: str, spec: WeightSyncSpec, defaults: RuntimeDefaults) -> dict:
     rt = spec.runtime
     container: dict[str, Any] = {
         "name": "runtime",
@@ -92,6 +95,15 @@ def render_runtime_pod(
     }
     if rt.resources:
         container["resources"] = rt.resources
+    return container
+
+
+def render_runtime_pod(
+    ws_name: str, namespace: str, uid: str, spec: WeightSyncSpec, defaults: RuntimeDefaults
+) -> dict[str, Any]:
+    """The runtime pod the operator creates for WeightSync `namespace/ws_name` (a Pod manifest dict)."""
+    rt = spec.runtime
+    container = _runtime_container(ws_name, namespace, spec, defaults)
     pod_spec: dict[str, Any] = {
         # The operator replaces dead pods itself, with backoff and a retry limit (spec.retry).
         "restartPolicy": "Never",

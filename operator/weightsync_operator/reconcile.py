@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from sync_runtime.crd import WeightSyncSpec, WeightSyncStatus, spec_problems
-from sync_runtime.report import SyncResult
+from sync_runtime.schema.crd import WeightSyncSpec, WeightSyncStatus, spec_problems
+from sync_runtime.schema.report import SyncResult
 from weightsync_operator.config import OperatorConfig
 from weightsync_operator.pod import PodState, render_runtime_pod, topology_hash
 from weightsync_operator.retry import PodAction, PodDecision, plan_pod

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from sync_runtime.crd import RestartStatus, RetryPolicy
+from sync_runtime.schema.crd import RestartStatus, RetryPolicy
 from weightsync_operator.pod import PodPhase, PodState
 
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from sync_runtime.crd import (
+from sync_runtime.schema.crd import (
     ConditionType,
     FailureSummary,
     LastSync,
@@ -23,7 +23,7 @@ from sync_runtime.crd import (
     WeightSyncSpec,
     WeightSyncStatus,
 )
-from sync_runtime.report import SyncReport, SyncResult
+from sync_runtime.schema.report import SyncReport, SyncResult
 from weightsync_operator.conditions import ConditionUpdate, merge_conditions, safe_reason
 from weightsync_operator.pod import PodPhase, PodState, runtime_pod_name
 from weightsync_operator.retry import PodAction, PodDecision

@@ -16,20 +16,21 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from sync_runtime import layouts as _layouts
-from sync_runtime.cost import predict_seconds_arrays
-from sync_runtime.layouts.base import Layout, LayoutError
-from sync_runtime.manifest import Manifest
-from sync_runtime.plan import Bucket, Round, SyncPlan, Transfer
+from sync_runtime.core import layouts as _layouts
+from sync_runtime.core.cost import predict_seconds_arrays
+from sync_runtime.core.layouts.base import Layout
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.plan import Bucket, Round, SyncPlan, Transfer
+from sync_runtime.core.topology import RankCoord, Role
+from sync_runtime.errors import LayoutError, PlanError, TopologyError
 from sync_runtime.planner import relay as _relay
-from sync_runtime.planner.config import PlanError, PlannerConfig, SideSpec
+from sync_runtime.planner.config import PlannerConfig, SideSpec
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
 from sync_runtime.planner.needs import Need, NeedBuilder
 from sync_runtime.planner.refine import SourceCell, build_cells
 from sync_runtime.planner.schedule import direct_queue, pack_buckets, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
 from sync_runtime.planner.stats import plan_stats, schedule_arrays
-from sync_runtime.topology import RankCoord, Role, TopologyError
 
 LayoutLookup = Callable[[str], Layout]
 BOTH_PACINGS_MAX_BUCKETS = 20_000

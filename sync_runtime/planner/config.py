@@ -5,16 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from sync_runtime.cost import LinkCost
-from sync_runtime.topology import ParallelSpec, RankCoord
+from sync_runtime.core.cost import LinkCost
+from sync_runtime.core.topology import ParallelSpec, RankCoord
+from sync_runtime.errors import PlanError
 
 MiB = 1 << 20
 
 RelayMode = Literal["off", "auto", "on"]
-
-
-class PlanError(ValueError):
-    """The planner cannot produce a plan; the message names the tensor, rank or setting."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sync_runtime.manifest import Manifest
+from sync_runtime.core.manifest import Manifest
 from sync_runtime.planner.config import PlannerConfig, SideSpec
 
 PLANNER_VERSION = "1"

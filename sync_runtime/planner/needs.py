@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sync_runtime.layouts.base import Box, LayoutError, RankShard, box_numel
-from sync_runtime.manifest import DTYPE_BYTES, TensorMeta
+from sync_runtime.core.layouts.base import Box, RankShard, box_numel
+from sync_runtime.core.manifest import DTYPE_BYTES, TensorMeta
+from sync_runtime.errors import LayoutError
 from sync_runtime.planner.refine import SourceCell, intersect, split_rows, to_local
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from sync_runtime.layouts.base import Box, Piece, box_numel
+from sync_runtime.core.layouts.base import Box, Piece, box_numel
 
 
 def intersect(a: Box, b: Box) -> Box | None:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from sync_runtime.core.topology import RankCoord
 from sync_runtime.planner.config import PlannerConfig, SideSpec
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.schedule import PairQueue
-from sync_runtime.topology import RankCoord
 
 Instance = tuple[int, list[Need]]
 

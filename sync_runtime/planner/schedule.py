@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sync_runtime.plan import Bucket, Transfer
+from sync_runtime.core.plan import Bucket, Transfer
 
 RESORT_EVERY = 4
 """Pair priorities (remaining bytes, sender criticality) drift slowly: re-sort a receiver's pairs

@@ -6,9 +6,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sync_runtime.cost import BucketArrays, LinkCost, floor_seconds_arrays, predict_seconds_arrays
-from sync_runtime.plan import SyncPlan
-from sync_runtime.topology import RankCoord
+from sync_runtime.core.cost import BucketArrays, LinkCost, floor_seconds_arrays, predict_seconds_arrays
+from sync_runtime.core.plan import SyncPlan
+from sync_runtime.core.topology import RankCoord
 
 
 def _max_mean(per_rank: np.ndarray) -> tuple[int, float]:

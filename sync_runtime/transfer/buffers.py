@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sync_runtime.layouts.base import Box, box_shape
-from sync_runtime.plan import Bucket, Transfer
+from sync_runtime.core.layouts.base import Box, box_shape
+from sync_runtime.core.plan import Bucket, Transfer
 from sync_runtime.transfer.checksum import checksum_bytes, checksum_tensor
 
 ALIGN = 16

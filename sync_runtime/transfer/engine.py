@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sync_runtime.layouts.base import Box
-from sync_runtime.plan import Bucket, RankPlan
+from sync_runtime.core.layouts.base import Box
+from sync_runtime.core.plan import Bucket, RankPlan
 from sync_runtime.transfer import testing
 from sync_runtime.transfer.buffers import (
     Incoming,

@@ -9,7 +9,7 @@ from types import MappingProxyType
 
 import torch
 
-from sync_runtime.layouts.base import Box, box_numel
+from sync_runtime.core.layouts.base import Box, box_numel
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from sync_runtime.transfer.config import StagingError
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sync_runtime.plan import Bucket
+from sync_runtime.core.plan import Bucket
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
-from sync_runtime.layouts.base import Box, box_numel
-from sync_runtime.plan import RankPlan, Transfer
+from sync_runtime.core.layouts.base import Box, box_numel
+from sync_runtime.core.plan import RankPlan, Transfer
 from sync_runtime.transfer.config import PlanMismatchError
 from sync_runtime.transfer.staging import DestinationWeights
 

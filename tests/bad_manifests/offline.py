@@ -4,7 +4,7 @@ Walks a CRD openAPIV3Schema the way kube-apiserver does for what these tests nee
 unknown fields (as strict field validation reports them), types, required, enum, numeric bounds,
 string length and pattern, list sizes. Messages copy the API server's wording, so the bad-manifest
 table's expected texts are checked here before the e2e suite checks them against a real server.
-CEL rules are not evaluated here; sync_runtime.crd.spec_problems mirrors them.
+CEL rules are not evaluated here; sync_runtime.schema.crd.spec_problems mirrors them.
 """
 
 from __future__ import annotations

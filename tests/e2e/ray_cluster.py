@@ -235,9 +235,9 @@ def cmd_kill(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_snapshot(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from sync_runtime.demo_weights import expected_sha256, model_config
-    from sync_runtime.models import build_manifest
-    from sync_runtime.topology import ParallelSpec
+    from sync_runtime.core.models import build_manifest
+    from sync_runtime.core.topology import ParallelSpec
+    from sync_runtime.demo.weights import expected_sha256, model_config
 
     actors = _actors(args.namespace, args.prefix)
     refs = {n: h.__ray_call__.remote(_state) for n, h in actors}

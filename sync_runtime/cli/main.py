@@ -1,0 +1,323 @@
+"""`weightsync`: plan or simulate a sync from the command line; `demo` and `run` delegate.
+
+    weightsync plan --model kimi-k2 --src "tp=8,pp=8,dp=4,ep=32" --dst "tp=16,ep=16,replicas=8" --json
+    weightsync simulate --model tiny-qwen3-moe --src "tp=2,pp=2,ep=2" --dst "tp=2,ep=2,replicas=2"
+
+Bad input (unknown preset, unparsable or impossible topology, a tensor no layout covers) prints
+one line `weightsync: error: ...` on stderr and exits 2. `simulate` exits 1 on a mismatch.
+`demo` and `run` live in modules that import Ray; they are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sync_runtime.core.layouts.base import RankShard
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.plan import SyncPlan
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.errors import LayoutError, ModelConfigError, TopologyError
+from sync_runtime.planner import MiB, PlannerConfig, SideSpec, plan_sync
+
+PROG = "weightsync"
+SIMULATE_MAX_BYTES = 256 * MiB
+"""`simulate` materialises every rank's tensors in memory: tiny models only."""
+DELEGATES = {"demo": "sync_runtime.demo.run", "run": "sync_runtime.runtime.loop"}
+"""Subcommands implemented elsewhere: module with add_arguments(parser) and run(args) -> int."""
+USER_ERRORS = (TopologyError, LayoutError, ModelConfigError, ValueError)
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncInputs:
+    """What `plan` and `simulate` plan: the model and both sides, ranks enumerated."""
+
+    manifest: Manifest
+    source: SideSpec
+    destinations: tuple[SideSpec, ...]
+    config: PlannerConfig
+
+
+def _add_sync_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="preset name (e.g. kimi-k2) or path of a config.json")
+    parser.add_argument("--src", required=True, help='source parallelism, e.g. "tp=8,pp=8,dp=4,ep=32,etp=1"')
+    parser.add_argument("--src-layout", default="megatron", help="source layout (default: megatron)")
+    parser.add_argument(
+        "--dst",
+        required=True,
+        action="append",
+        help='destination parallelism, e.g. "tp=16,ep=16,replicas=8"; repeat for several destinations',
+    )
+    parser.add_argument(
+        "--dst-layout",
+        action="append",
+        help="destination layout (default: vllm); once for all destinations or once per --dst",
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node when enumerating")
+    parser.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MiB (default: 64)")
+    parser.add_argument("--staging-mb", type=float, default=512, help="staging budget per rank in MiB")
+    parser.add_argument("--max-fan-in", type=int, default=4, help="senders one rank receives from per round")
+    parser.add_argument("--relay", choices=("off", "auto", "on"), default="off", help="replica relay")
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description="Move LLM weights from trainers to inference.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    plan = sub.add_parser("plan", help="plan a sync and print its figures")
+    _add_sync_arguments(plan)
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    plan.add_argument("--plot", metavar="FILE.png", help="write a heatmap of bytes per (sender, receiver)")
+    plan.set_defaults(handler=cmd_plan)
+    simulate = sub.add_parser("simulate", help="plan a sync of a tiny model and execute it in-process")
+    _add_sync_arguments(simulate)
+    simulate.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    simulate.set_defaults(handler=cmd_simulate)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    for name, module in DELEGATES.items():
+        delegate = sub.add_parser(name, help=f"see `{PROG} {name} --help`")
+        delegate.set_defaults(handler=_delegate(name, module))
+        if name == command:  # import (and so Ray) only for the subcommand actually run
+            _load(module).add_arguments(delegate)
+    return parser
+
+
+def _load(module: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise _DelegateMissing(f"{module} cannot be imported ({e}); is the runtime installed?") from e
+
+
+class _DelegateMissing(Exception):
+    pass
+
+
+def _delegate(name: str, module: str) -> Callable[[argparse.Namespace], int]:
+    def handler(args: argparse.Namespace) -> int:
+        return int(_load(module).run(args))
+
+    handler.__name__ = f"cmd_{name}"
+    return handler
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # argparse already printed usage and the reason
+            return int(e.code or 0)
+        return int(args.handler(args))
+    except _DelegateMissing as e:
+        return _error(str(e))
+    except USER_ERRORS as e:
+        return _error(str(e))
+
+
+def _error(message: str) -> int:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return 2
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+
+
+def sync_inputs(args: argparse.Namespace) -> SyncInputs:
+    manifest = build_manifest(load_model_config(args.model))
+    if args.gpus_per_node < 1:
+        raise TopologyError(f"--gpus-per-node={args.gpus_per_node}: must be >= 1")
+    src_spec = ParallelSpec.parse(args.src)
+    source = SideSpec(
+        args.src_layout, src_spec, tuple(enumerate_ranks(src_spec, Role.SOURCE, args.gpus_per_node))
+    )
+    layouts = args.dst_layout or ["vllm"]
+    if len(layouts) not in (1, len(args.dst)):
+        raise ValueError(f"{len(layouts)} --dst-layout for {len(args.dst)} --dst: give one, or one per --dst")
+    destinations = []
+    for i, text in enumerate(args.dst):
+        spec = ParallelSpec.parse(text)
+        coords = enumerate_ranks(spec, Role.DESTINATION, args.gpus_per_node)
+        if len(args.dst) > 1:  # keep the sides on separate nodes, as separate deployments are
+            coords = [
+                dataclasses.replace(c, node=c.node.replace("destination", f"destination{i}")) for c in coords
+            ]
+        destinations.append(SideSpec(layouts[i % len(layouts)], spec, tuple(coords)))
+    config = PlannerConfig(
+        bucket_bytes=int(args.bucket_mb * MiB),
+        staging_budget_bytes=int(args.staging_mb * MiB),
+        max_fan_in=args.max_fan_in,
+        relay=args.relay,
+        gpus_per_node=args.gpus_per_node,
+    )
+    return SyncInputs(manifest, source, tuple(destinations), config)
+
+
+def plan_summary(inputs: SyncInputs, plan: SyncPlan) -> dict[str, Any]:
+    """The figures `plan --json` prints (plan stats without the per-rank tables, plus context)."""
+    stats = {k: v for k, v in plan.stats.items() if k not in ("send_bytes", "recv_bytes")}
+    return {
+        "model": inputs.manifest.family,
+        "model_bytes": inputs.manifest.nbytes,
+        "source": f"{inputs.source.layout}:{inputs.source.spec.describe()}",
+        "destinations": [f"{d.layout}:{d.spec.describe()}" for d in inputs.destinations],
+        "src_ranks": len(inputs.source.coords),
+        "dst_ranks": sum(len(d.coords) for d in inputs.destinations),
+        **stats,
+        "digest": plan.digest,
+    }
+
+
+# ---- plan --------------------------------------------------------------------------------------
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    inputs = sync_inputs(args)
+    plan = plan_sync(inputs.manifest, inputs.source, inputs.destinations, inputs.config)
+    summary = plan_summary(inputs, plan)
+    if args.plot:
+        write_heatmap(plan, args.plot)
+    if args.json:
+        print(json.dumps(summary, sort_keys=True))
+    else:
+        print_table(summary, args.model, args.plot)
+    return 0
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:,.2f} TiB"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.3f}" if b else "-"
+
+
+def table_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The human summary of `plan_summary`'s figures, as (label, value) rows."""
+    return [
+        ("source", s["source"]),
+        ("destinations", ", ".join(s["destinations"])),
+        ("tensors", f"{s['tensors']:,}"),
+        ("model bytes", _size(s["model_bytes"])),
+        ("ranks src / dst", f"{s['src_ranks']} / {s['dst_ranks']}"),
+        ("transfers / buckets", f"{s['transfers']:,} / {s['buckets']:,}"),
+        ("rounds", f"{s['rounds']:,}"),
+        ("wire / lower bound", f"{_size(s['wire_bytes'])} / {_size(s['lower_bound_bytes'])}"),
+        (
+            "send max / mean",
+            f"{_size(s['max_send_bytes'])} / {_size(s['mean_send_bytes'])} "
+            f"({_ratio(s['max_send_bytes'], s['mean_send_bytes'])})",
+        ),
+        (
+            "recv max / mean",
+            f"{_size(s['max_recv_bytes'])} / {_size(s['mean_recv_bytes'])} "
+            f"({_ratio(s['max_recv_bytes'], s['mean_recv_bytes'])})",
+        ),
+        (
+            "predicted / floor",
+            f"{s['predicted_seconds']:.3f} s / {s['floor_seconds']:.3f} s "
+            f"({_ratio(s['predicted_seconds'], s['floor_seconds'])})",
+        ),
+        ("relay", "on" if s["relay"] else "off"),
+        ("plan time", f"{s['plan_seconds']:.2f} s"),
+        ("digest", s["digest"][:16]),
+    ]
+
+
+def print_table(summary: dict[str, Any], model: str, plot: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"weightsync plan: {model}", show_header=False)
+    table.add_column("figure", style="bold")
+    table.add_column("value")
+    for name, value in table_rows(summary) + ([("heatmap", plot)] if plot else []):
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def write_heatmap(plan: SyncPlan, path: str) -> None:
+    """Bytes per (sender, receiver) as an image: senders on rows, receivers on columns."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    n = len(plan.ranks)
+    matrix = np.zeros((n, n))
+    for rnd in plan.rounds:
+        for b in rnd.buckets:
+            matrix[b.src_rank, b.dst_rank] += b.nbytes
+    senders = np.flatnonzero(matrix.sum(axis=1))
+    receivers = np.flatnonzero(matrix.sum(axis=0))
+    scale, unit = (2**30, "GiB") if matrix.max() >= 2**30 else (2**20, "MiB")
+    fig, ax = plt.subplots(figsize=(8, 6))
+    image = ax.imshow(
+        matrix[np.ix_(senders, receivers)] / scale, aspect="auto", cmap="viridis", interpolation="nearest"
+    )
+    for axis, ranks in ((ax.xaxis, receivers), (ax.yaxis, senders)):
+        # Axes index the ranks that send (receive) anything; label ticks with their global rank.
+        axis.set_major_locator(MaxNLocator(nbins=12, integer=True))
+        axis.set_major_formatter(
+            FuncFormatter(lambda x, _, r=ranks: str(r[int(x)]) if 0 <= x < len(r) else "")
+        )
+    ax.set_xlabel("receiving rank (global)")
+    ax.set_ylabel("sending rank (global)")
+    ax.set_title(f"bytes per pair, {len(plan.rounds)} rounds" + (" (relay)" if plan.relay else ""))
+    fig.colorbar(image, ax=ax, label=unit)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- simulate ----------------------------------------------------------------------------------
+
+
+def all_shards(inputs: SyncInputs, ranks: Sequence[RankCoord]) -> dict[int, RankShard]:
+    """Every global rank's shard, in the planner's rank order."""
+    from sync_runtime.core.layouts import get_layout
+
+    out: dict[int, RankShard] = {}
+    rank = 0
+    for side in (inputs.source, *inputs.destinations):
+        layout = get_layout(side.layout)
+        for coord in side.coords:
+            assert coord == ranks[rank], "planner rank order differs from the sides' order"
+            out[rank] = layout.shard(inputs.manifest, side.spec, coord)
+            rank += 1
+    return out
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from sync_runtime.planner.simulate import check_plan
+
+    inputs = sync_inputs(args)
+    if inputs.manifest.nbytes > SIMULATE_MAX_BYTES:
+        raise ValueError(
+            f"--model {args.model} has {inputs.manifest.nbytes / MiB:.0f} MiB of weights; simulate "
+            f"holds every rank's copy in memory, so it takes models up to {SIMULATE_MAX_BYTES // MiB} MiB"
+        )
+    plan = plan_sync(inputs.manifest, inputs.source, inputs.destinations, inputs.config)
+    problems = check_plan(plan, inputs.manifest, all_shards(inputs, plan.ranks), seed=args.seed)
+    s = plan.stats
+    what = f"{s['transfers']} transfers in {s['rounds']} rounds, {s['wire_bytes']} bytes"
+    what += f", digest {plan.digest[:16]}"
+    if problems:
+        print(f"MISMATCH: {len(problems)} problem(s); {what}")
+        for line in problems[:20]:
+            print(f"  {line}")
+        return 1
+    print(f"OK: every destination element written exactly once and bit-exact; {what}")
+    return 0

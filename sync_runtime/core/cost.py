@@ -1,0 +1,114 @@
+"""Link cost model: how long a plan's rounds take on a simple network (DESIGN 5 and 9).
+
+Model. Rounds run one after another (a round ends when its slowest rank is done). Inside a round
+a rank sends and receives concurrently (full-duplex links), so its time is
+
+    max(inter-node send, inter-node recv) bytes / nic_bytes_per_s
+  + max(intra-node send, intra-node recv) bytes / intra_node_bytes_per_s
+  + messages * latency_s
+
+where a pair is intra-node when both ranks report the same `RankCoord.node`, and messages counts
+the buckets the rank sends plus those it receives in that round. NIC and intra-node traffic are
+added rather than overlapped: a pessimistic choice that keeps the model monotone. The round's time
+is the maximum over its ranks; the plan's time is the sum over rounds.
+
+The physical floor (DESIGN 9) ignores rounds and latency: every destination rank must pull its
+own bytes through its own NIC, so no plan beats max over ranks of received bytes / NIC bandwidth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sync_runtime.core.plan import SyncPlan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkCost:
+    """Bandwidths and per-message latency of the links between ranks."""
+
+    nic_bytes_per_s: float = 50e9
+    """Per-GPU network bandwidth between nodes (400 Gb/s)."""
+    intra_node_bytes_per_s: float = 450e9
+    """Per-GPU bandwidth to another GPU of the same node (NVLink class)."""
+    latency_s: float = 20e-6
+    """Fixed cost of one message (one bucket), paid by sender and receiver."""
+
+    def __post_init__(self) -> None:
+        for name in ("nic_bytes_per_s", "intra_node_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LinkCost.{name}={getattr(self, name)!r}: must be > 0")
+        if self.latency_s < 0:
+            raise ValueError(f"LinkCost.latency_s={self.latency_s!r}: must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class BucketArrays:
+    """The plan's buckets as flat arrays (one entry per bucket), the form the model computes on."""
+
+    round_index: np.ndarray
+    src_rank: np.ndarray
+    dst_rank: np.ndarray
+    nbytes: np.ndarray
+    intra: np.ndarray
+    """True where source and destination rank share a node."""
+    n_ranks: int
+    n_rounds: int
+
+
+def bucket_arrays(plan: SyncPlan) -> BucketArrays:
+    nodes = [c.node for c in plan.ranks]
+    rows = [(i, b.src_rank, b.dst_rank, b.nbytes) for i, rnd in enumerate(plan.rounds) for b in rnd.buckets]
+    arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    node_ids = _node_ids(nodes)
+    intra = node_ids[arr[:, 1]] == node_ids[arr[:, 2]] if len(arr) else np.zeros(0, dtype=bool)
+    return BucketArrays(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], intra, len(nodes), len(plan.rounds))
+
+
+def _node_ids(nodes: Sequence[str]) -> np.ndarray:
+    index: dict[str, int] = {}
+    return np.array([index.setdefault(n, len(index)) for n in nodes], dtype=np.int64)
+
+
+def round_seconds(buckets: BucketArrays, cost: LinkCost) -> np.ndarray:
+    """Predicted duration of every round (see the module docstring for the model)."""
+    if buckets.n_rounds == 0:
+        return np.zeros(0)
+    size = buckets.n_rounds * buckets.n_ranks
+
+    def per_rank(ranks: np.ndarray, mask: np.ndarray | None, weights: np.ndarray | None) -> np.ndarray:
+        idx = buckets.round_index * buckets.n_ranks + ranks
+        if mask is not None:
+            idx, weights = idx[mask], None if weights is None else weights[mask]
+        return np.bincount(idx, weights=weights, minlength=size).astype(np.float64)
+
+    inter, w = ~buckets.intra, buckets.nbytes.astype(np.float64)
+    nic = np.maximum(per_rank(buckets.src_rank, inter, w), per_rank(buckets.dst_rank, inter, w))
+    nvl = np.maximum(
+        per_rank(buckets.src_rank, buckets.intra, w), per_rank(buckets.dst_rank, buckets.intra, w)
+    )
+    messages = per_rank(buckets.src_rank, None, None) + per_rank(buckets.dst_rank, None, None)
+    rank_time = nic / cost.nic_bytes_per_s + nvl / cost.intra_node_bytes_per_s + messages * cost.latency_s
+    return rank_time.reshape(buckets.n_rounds, buckets.n_ranks).max(axis=1)
+
+
+def predict_seconds_arrays(buckets: BucketArrays, cost: LinkCost) -> float:
+    return float(round_seconds(buckets, cost).sum())
+
+
+def floor_seconds_arrays(buckets: BucketArrays, cost: LinkCost) -> float:
+    recv = np.bincount(buckets.dst_rank, weights=buckets.nbytes.astype(np.float64), minlength=buckets.n_ranks)
+    return float(recv.max() / cost.nic_bytes_per_s) if len(recv) else 0.0
+
+
+def predict_seconds(plan: SyncPlan, cost: LinkCost | None = None) -> float:
+    """Predicted wall time of the plan's transfer phase under `cost` (default `LinkCost()`)."""
+    return predict_seconds_arrays(bucket_arrays(plan), cost or LinkCost())
+
+
+def floor_seconds(plan: SyncPlan, cost: LinkCost | None = None) -> float:
+    """Physical floor: the largest per-rank receive volume through one NIC (DESIGN 9)."""
+    return floor_seconds_arrays(bucket_arrays(plan), cost or LinkCost())

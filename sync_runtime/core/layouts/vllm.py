@@ -1,0 +1,237 @@
+"""The `vllm` layout (DESIGN 4.1), destination side, per replica: TP size t, PP size p, EP = t or off.
+
+Fused tensors and their order, as vLLM's loaders build them (`stacked_params_mapping`):
+- `self_attn.qkv_proj.{weight,bias}` = [q heads r-th of t; k heads; v heads], KV heads
+  replicated when t > nkv (`kv_head_range`).
+- `mlp.gate_up_proj.weight` = [gate rows r-th of t; up rows r-th of t]; also for DeepSeek's
+  `mlp.shared_experts.gate_up_proj.weight` (shared experts are a TP-sharded dense MLP).
+- `mlp.experts.w13_weight` [E, 2Im/t, H] (no EP) or [E/t, 2Im, H] (EP, experts of coord.ep_rank);
+  `mlp.experts.w2_weight` [E, H, Im/t] or [E/t, H, Im].
+- MLA (deepseek_v3): with q_lora_rank, `self_attn.fused_qkv_a_proj.weight` = [q_a_proj;
+  kv_a_proj_with_mqa], replicated (vLLM's DeepseekV2MLAAttention, `mla_params_mapping`);
+  without it, q_proj is column-parallel and kv_a_proj_with_mqa replicated. q_b_proj and kv_b_proj
+  are column-parallel over heads, o_proj row-parallel, the a-side layernorms full copies.
+Embedding and lm_head: rows r-th of t over V padded to a multiple of 64, padding rows uncovered
+(zero). Tied embeddings: lm_head is absent when p == 1, else cut from the embedding on the last
+stage. Layer names keep global indices; stage ranges come from `stage_layer_ranges`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+from sync_runtime.core.layouts._rules import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    LayerView,
+    ModelView,
+    RuleLayout,
+    ShardBuilder,
+    check_coverage,
+    kv_head_range,
+    part,
+    require,
+    round_up,
+)
+from sync_runtime.core.layouts.base import Piece, RankShard
+from sync_runtime.core.manifest import TensorMeta
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, stage_layer_ranges
+from sync_runtime.errors import LayoutError, TopologyError
+
+NAME = "vllm"
+VOCAB_MULTIPLE = 64
+
+# Tensors held whole under their canonical suffix.
+_FULL = (
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "self_attn.q_a_layernorm.weight",
+    "self_attn.kv_a_layernorm.weight",
+    "mlp.gate.weight",
+    "mlp.gate.e_score_correction_bias",
+)
+
+
+class VllmLayout(RuleLayout):
+    name = NAME
+
+    def check(self, view: ModelView, spec: ParallelSpec) -> None:
+        _validate(view, spec)
+
+    def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+        return _build(view, spec, coord)
+
+    def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
+        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
+
+
+def _validate(view: ModelView, spec: ParallelSpec) -> None:
+    d, t = view.dims, spec.tp
+    try:
+        stage_layer_ranges(d.num_layers, spec.pp, spec.layer_counts)
+    except TopologyError as e:
+        raise LayoutError(f"{NAME}: pp: {e}") from e
+    attn = "model.layers.0.self_attn."
+    require(spec.vpp == 1, NAME, "vpp", f"vpp={spec.vpp}: vLLM has no virtual pipeline stages")
+    require(spec.etp == 1, NAME, "etp", f"etp={spec.etp}: vLLM shards experts by tp or ep only")
+    require(spec.ep in (1, t), NAME, "ep", f"ep={spec.ep} must be 1 or equal to tp={t}")
+    if d.mla:
+        q = attn + ("q_b_proj.weight" if d.q_lora_rank else "q_proj.weight")
+        require(d.num_heads % t == 0, NAME, q, f"nh={d.num_heads} not divisible by tp={t}")
+    else:
+        require(
+            d.num_heads % t == 0, NAME, attn + "q_proj.weight", f"nh={d.num_heads} not divisible by tp={t}"
+        )
+        nkv = d.num_kv_heads
+        require(
+            t % nkv == 0 or nkv % t == 0,
+            NAME,
+            attn + "k_proj.weight",
+            f"nkv={nkv} and tp={t}: one must divide the other",
+        )
+    vp = round_up(d.vocab, VOCAB_MULTIPLE)
+    require(vp % t == 0, NAME, EMBED, f"padded vocab Vp={vp} not divisible by tp={t}")
+    if len(d.moe_layers) < d.num_layers:
+        require(
+            d.intermediate % t == 0,
+            NAME,
+            "mlp.gate_proj.weight",
+            f"I={d.intermediate} not divisible by tp={t}",
+        )
+    if d.moe_layers and spec.ep > 1:
+        require(
+            d.num_experts % t == 0,
+            NAME,
+            "mlp.experts.w13_weight",
+            f"E={d.num_experts} not divisible by ep=tp={t}",
+        )
+    elif d.moe_layers:
+        require(
+            d.moe_intermediate % t == 0,
+            NAME,
+            "mlp.experts.w13_weight",
+            f"Im={d.moe_intermediate} not divisible by tp={t}",
+        )
+    if d.shared_intermediate:
+        require(
+            d.shared_intermediate % t == 0,
+            NAME,
+            "mlp.shared_experts.gate_up_proj.weight",
+            f"shared intermediate {d.shared_intermediate} not divisible by tp={t}",
+        )
+    check_coverage(view, NAME, lambda out, layer, dense: _layer(out, view, layer, dense, spec, _ZERO))
+
+
+# Layer rules read the same tensors on every rank; coverage is proven once, on this coordinate.
+_ZERO = RankCoord(role=Role.DESTINATION)
+
+
+def _qkv(out: ShardBuilder, view: ModelView, p: str, dense: dict[str, TensorMeta], t: int, r: int) -> None:
+    d = view.dims
+    q0, q1 = part(d.num_heads, t, r)
+    k0, k1 = kv_head_range(d.num_kv_heads, t, r)
+    for kind in ("weight", "bias"):
+        if f"self_attn.q_proj.{kind}" not in dense:
+            continue
+        q, k, v = (dense[f"self_attn.{x}_proj.{kind}"] for x in "qkv")
+        hd = d.head_dim
+        out.concat_rows(
+            f"{p}self_attn.qkv_proj.{kind}",
+            [(q, q0 * hd, q1 * hd), (k, k0 * hd, k1 * hd), (v, k0 * hd, k1 * hd)],
+        )
+
+
+def _mla(out: ShardBuilder, p: str, dense: dict[str, TensorMeta], t: int, r: int) -> None:
+    a = "self_attn."
+    if "self_attn.q_a_proj.weight" in dense:
+        q_a, kv_a = dense[a + "q_a_proj.weight"], dense[a + "kv_a_proj_with_mqa.weight"]
+        out.concat_rows(f"{p}{a}fused_qkv_a_proj.weight", [(q_a, 0, q_a.shape[0]), (kv_a, 0, kv_a.shape[0])])
+        out.split(dense[a + "q_b_proj.weight"], f"{p}{a}q_b_proj.weight", 0, t, r)
+    else:
+        out.full(dense[a + "kv_a_proj_with_mqa.weight"], f"{p}{a}kv_a_proj_with_mqa.weight")
+        out.split(dense[a + "q_proj.weight"], f"{p}{a}q_proj.weight", 0, t, r)
+    out.split(dense[a + "kv_b_proj.weight"], f"{p}{a}kv_b_proj.weight", 0, t, r)
+
+
+def _gate_up(out: ShardBuilder, p: str, sub: str, dense: dict[str, TensorMeta], t: int, r: int) -> None:
+    """`{sub}gate_up_proj` = [gate rows r-th of t; up rows r-th of t] and `{sub}down_proj` columns."""
+    gate, up, down = (dense[f"{sub}{x}_proj.weight"] for x in ("gate", "up", "down"))
+    lo, hi = part(gate.shape[0], t, r)
+    out.concat_rows(f"{p}{sub}gate_up_proj.weight", [(gate, lo, hi), (up, lo, hi)])
+    out.split(down, f"{p}{sub}down_proj.weight", 1, t, r)
+
+
+def _experts(out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, coord: RankCoord) -> None:
+    experts = layer.experts
+    gate0 = experts[0]["gate_proj.weight"]
+    im, hidden, dtype = gate0.shape[0], gate0.shape[1], gate0.dtype
+    w13, w2 = f"{p}mlp.experts.w13_weight", f"{p}mlp.experts.w2_weight"
+    if spec.ep > 1:
+        e0, e1 = part(len(experts), spec.ep, coord.ep_rank)
+        lo, hi = 0, im
+    else:
+        e0, e1 = 0, len(experts)
+        lo, hi = part(im, spec.tp, coord.tp_rank)
+    n = hi - lo
+    out.local(w13, (e1 - e0, 2 * n, hidden), dtype)
+    out.local(w2, (e1 - e0, hidden, n), dtype)
+    # Hot path (Kimi-K2: ~70k expert pieces per replica): boxes are shared by all experts of the
+    # layer and pieces are built directly, not through the generic helpers.
+    full_h = (0, hidden)
+    canon_rows, canon_cols = ((lo, hi), full_h), (full_h, (lo, hi))
+    gate_rows, up_rows, w2_rest = (0, n), (n, 2 * n), (full_h, (0, n))
+    pieces = out.pieces
+    for k, e in enumerate(range(e0, e1)):
+        lead = (k, k + 1)
+        tensors = experts[e]
+        pieces.append(Piece(tensors["gate_proj.weight"].name, canon_rows, w13, (lead, gate_rows, full_h)))
+        pieces.append(Piece(tensors["up_proj.weight"].name, canon_rows, w13, (lead, up_rows, full_h)))
+        pieces.append(Piece(tensors["down_proj.weight"].name, canon_cols, w2, (lead, *w2_rest)))
+
+
+def _layer(
+    out: ShardBuilder,
+    view: ModelView,
+    layer: LayerView,
+    dense: dict[str, TensorMeta],
+    spec: ParallelSpec,
+    coord: RankCoord,
+) -> None:
+    p, t, r = layer.prefix, spec.tp, coord.tp_rank
+    if view.dims.mla:
+        _mla(out, p, dense, t, r)
+    else:
+        _qkv(out, view, p, dense, t, r)
+    out.split(dense["self_attn.o_proj.weight"], f"{p}self_attn.o_proj.weight", 1, t, r)
+    if "mlp.gate_proj.weight" in dense:
+        _gate_up(out, p, "mlp.", dense, t, r)
+    if "mlp.shared_experts.gate_proj.weight" in dense:
+        _gate_up(out, p, "mlp.shared_experts.", dense, t, r)
+    if layer.experts:
+        _experts(out, p, layer, spec, coord)
+    for suffix in _FULL:
+        if suffix in dense:
+            out.full(dense[suffix], p + suffix)
+
+
+def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+    out = ShardBuilder()
+    stages = stage_layer_ranges(view.dims.num_layers, spec.pp, spec.layer_counts)
+    first, last = coord.pp_rank == 0, coord.pp_rank == spec.pp - 1
+    t, r = spec.tp, coord.tp_rank
+    vp = round_up(view.dims.vocab, VOCAB_MULTIPLE)
+    if first:
+        out.vocab_rows(view.top[EMBED], EMBED, vp, t, r)
+    for i in stages[coord.pp_rank]:
+        layer = view.layers[i]
+        _layer(out, view, layer, layer.dense, spec, coord)
+    if last:
+        out.full(view.top[FINAL_NORM], FINAL_NORM)
+        if LM_HEAD in view.top:
+            out.vocab_rows(view.top[LM_HEAD], LM_HEAD, vp, t, r)
+        elif spec.pp > 1:  # tied: vLLM's last stage loads lm_head from the embedding
+            out.vocab_rows(view.top[EMBED], LM_HEAD, vp, t, r)
+    return out.done(coord)

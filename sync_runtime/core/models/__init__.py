@@ -1,0 +1,26 @@
+"""Model manifests from config.json (DESIGN 3).
+
+Families: llama (Llama 3, Qwen2, Qwen3), qwen3_moe, deepseek_v3 (also Kimi-K2).
+"""
+
+from sync_runtime.core.models.builders import build_manifest
+from sync_runtime.core.models.config import (
+    FAMILIES,
+    ModelDims,
+    available_presets,
+    load_model_config,
+    model_dims,
+    model_family,
+)
+from sync_runtime.errors import ModelConfigError
+
+__all__ = [
+    "FAMILIES",
+    "ModelConfigError",
+    "ModelDims",
+    "available_presets",
+    "build_manifest",
+    "load_model_config",
+    "model_dims",
+    "model_family",
+]

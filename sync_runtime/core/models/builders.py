@@ -1,0 +1,108 @@
+"""config.json -> `Manifest`: the tensors of the published Hugging Face checkpoint (DESIGN 3).
+
+Names and shapes follow the safetensors files as stored (per-expert MoE tensors). Every tensor
+is modelled as bfloat16. DeepSeek-V3 and Kimi-K2 publish FP8 block-quantised weights with
+`weight_scale_inv` tensors (and an F32 `e_score_correction_bias`); we model their bf16
+equivalents (the form a trainer and a bf16 vLLM deployment hold), without scale tensors.
+MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are not synced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from sync_runtime.core.manifest import Manifest, TensorMeta
+from sync_runtime.core.models.config import ModelDims, model_dims
+
+DTYPE = "bfloat16"
+
+
+def _t(name: str, *shape: int) -> TensorMeta:
+    return TensorMeta(name, tuple(shape), DTYPE)
+
+
+def _dense_mlp(prefix: str, hidden: int, inter: int) -> Iterator[TensorMeta]:
+    yield _t(f"{prefix}.gate_proj.weight", inter, hidden)
+    yield _t(f"{prefix}.up_proj.weight", inter, hidden)
+    yield _t(f"{prefix}.down_proj.weight", hidden, inter)
+
+
+def _gqa_attention(p: str, d: ModelDims) -> Iterator[TensorMeta]:
+    q_rows, kv_rows = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+    yield _t(f"{p}.self_attn.q_proj.weight", q_rows, d.hidden)
+    if d.qkv_bias:
+        yield _t(f"{p}.self_attn.q_proj.bias", q_rows)
+    yield _t(f"{p}.self_attn.k_proj.weight", kv_rows, d.hidden)
+    if d.qkv_bias:
+        yield _t(f"{p}.self_attn.k_proj.bias", kv_rows)
+    yield _t(f"{p}.self_attn.v_proj.weight", kv_rows, d.hidden)
+    if d.qkv_bias:
+        yield _t(f"{p}.self_attn.v_proj.bias", kv_rows)
+    yield _t(f"{p}.self_attn.o_proj.weight", d.hidden, q_rows)
+    if d.qk_norm:
+        yield _t(f"{p}.self_attn.q_norm.weight", d.head_dim)
+        yield _t(f"{p}.self_attn.k_norm.weight", d.head_dim)
+
+
+def _mla_attention(p: str, d: ModelDims) -> Iterator[TensorMeta]:
+    qk_head = d.qk_nope_head_dim + d.qk_rope_head_dim
+    if d.q_lora_rank is not None:
+        yield _t(f"{p}.self_attn.q_a_proj.weight", d.q_lora_rank, d.hidden)
+        yield _t(f"{p}.self_attn.q_a_layernorm.weight", d.q_lora_rank)
+        yield _t(f"{p}.self_attn.q_b_proj.weight", d.num_heads * qk_head, d.q_lora_rank)
+    else:
+        yield _t(f"{p}.self_attn.q_proj.weight", d.num_heads * qk_head, d.hidden)
+    yield _t(f"{p}.self_attn.kv_a_proj_with_mqa.weight", d.kv_lora_rank + d.qk_rope_head_dim, d.hidden)
+    yield _t(f"{p}.self_attn.kv_a_layernorm.weight", d.kv_lora_rank)
+    yield _t(
+        f"{p}.self_attn.kv_b_proj.weight",
+        d.num_heads * (d.qk_nope_head_dim + d.v_head_dim),
+        d.kv_lora_rank,
+    )
+    yield _t(f"{p}.self_attn.o_proj.weight", d.hidden, d.num_heads * d.v_head_dim)
+
+
+def _moe_mlp(p: str, d: ModelDims) -> Iterator[TensorMeta]:
+    # HF module order: experts, gate (router), shared_experts (DeepSeek-V3); Qwen3-MoE has
+    # gate first, but checkpoint order only fixes iteration order, never names or shapes.
+    if d.family == "qwen3_moe":
+        yield _t(f"{p}.mlp.gate.weight", d.num_experts, d.hidden)
+    for e in range(d.num_experts):
+        yield from _dense_mlp(f"{p}.mlp.experts.{e}", d.hidden, d.moe_intermediate)
+    if d.family != "qwen3_moe":
+        yield _t(f"{p}.mlp.gate.weight", d.num_experts, d.hidden)
+        if d.expert_bias:
+            yield _t(f"{p}.mlp.gate.e_score_correction_bias", d.num_experts)
+    if d.shared_intermediate:
+        yield from _dense_mlp(f"{p}.mlp.shared_experts", d.hidden, d.shared_intermediate)
+
+
+def _layer(i: int, d: ModelDims) -> Iterator[TensorMeta]:
+    p = f"model.layers.{i}"
+    yield from (_mla_attention(p, d) if d.mla else _gqa_attention(p, d))
+    if i in d.moe_layers:
+        yield from _moe_mlp(p, d)
+    else:
+        yield from _dense_mlp(f"{p}.mlp", d.hidden, d.intermediate)
+    yield _t(f"{p}.input_layernorm.weight", d.hidden)
+    yield _t(f"{p}.post_attention_layernorm.weight", d.hidden)
+
+
+def tensors_of(d: ModelDims) -> Iterator[TensorMeta]:
+    """The canonical tensors in state-dict order: embedding, layers, final norm, lm_head."""
+    yield _t("model.embed_tokens.weight", d.vocab, d.hidden)
+    for i in range(d.num_layers):
+        yield from _layer(i, d)
+    yield _t("model.norm.weight", d.hidden)
+    if not d.tie_embeddings:
+        yield _t("lm_head.weight", d.vocab, d.hidden)
+
+
+def build_manifest(config: dict[str, Any]) -> Manifest:
+    """The canonical manifest of an HF config dict (see `load_model_config`).
+
+    Raises ModelConfigError for unknown families or missing/unsupported fields.
+    """
+    dims = model_dims(config)
+    return Manifest(family=dims.family, tensors=tuple(tensors_of(dims)), config=dict(config), dtype=DTYPE)

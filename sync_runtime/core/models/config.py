@@ -1,0 +1,228 @@
+"""Reading a model's config.json into typed dimensions (DESIGN 3).
+
+`ModelDims` is the one place that interprets config fields; the manifest builders and the
+layouts both read it, so a field is never parsed twice with different defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sync_runtime.errors import ModelConfigError
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+
+# architectures[0] wins over model_type: Kimi-K2 reports model_type "kimi_k2" but is a
+# DeepseekV3ForCausalLM, and fine-tunes often keep the architecture but rename the type.
+_ARCH_FAMILY: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+_TYPE_FAMILY: dict[str, str] = {
+    "llama": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "qwen3_moe": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3",
+    "kimi_k2": "deepseek_v3",
+}
+FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3")
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+
+
+def load_model_config(preset_name_or_path: str | Path) -> dict[str, Any]:
+    """A preset name (`sync_runtime/presets/<name>.json`) or a path to an HF config.json."""
+    text = str(preset_name_or_path)
+    preset = PRESET_DIR / f"{text}.json"
+    path = preset if preset.is_file() else Path(text)
+    if not path.is_file():
+        raise ModelConfigError(
+            f"{text!r} is neither a preset ({', '.join(available_presets())}) nor a config.json file"
+        )
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelConfigError(f"{path}: not valid JSON: {e}") from e
+    if not isinstance(config, dict):
+        raise ModelConfigError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+def model_family(config: dict[str, Any]) -> str:
+    """ "llama", "qwen3_moe" or "deepseek_v3"; ModelConfigError naming what was found otherwise."""
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in _ARCH_FAMILY:
+            return _ARCH_FAMILY[arch]
+    model_type = config.get("model_type")
+    if model_type in _TYPE_FAMILY:
+        return _TYPE_FAMILY[model_type]
+    raise ModelConfigError(
+        f"model_type={model_type!r}, architectures={archs!r}: unknown model family "
+        f"(supported model_type: {', '.join(sorted(_TYPE_FAMILY))})"
+    )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelDims:
+    """The dimensions of a supported model, named as in DESIGN 3's notation."""
+
+    family: str
+    model_type: str
+    hidden: int
+    """H."""
+    vocab: int
+    """V (unpadded, as in the checkpoint)."""
+    num_layers: int
+    """L, decoder layers synced (MTP layers excluded)."""
+    num_heads: int
+    """nh."""
+    num_kv_heads: int
+    """nkv (equal to nh for MLA, where K/V are per head after kv_b_proj)."""
+    head_dim: int
+    """d for GQA attention; qk_nope + qk_rope for MLA."""
+    intermediate: int
+    """I of dense MLP layers."""
+    tie_embeddings: bool
+    qkv_bias: bool = False
+    """q/k/v projections have biases (Qwen2)."""
+    qk_norm: bool = False
+    """Per-head q_norm/k_norm (Qwen3)."""
+    num_experts: int = 0
+    """E routed experts (0 for dense models)."""
+    moe_intermediate: int = 0
+    """Im, per routed expert."""
+    shared_intermediate: int = 0
+    """Intermediate size of the shared-expert MLP (Im * n_shared_experts), 0 if none."""
+    moe_layers: frozenset[int] = frozenset()
+    """Indices of the layers whose MLP is a routed MoE."""
+    expert_bias: bool = False
+    """Router has `e_score_correction_bias` (DeepSeek-V3 noaux_tc routing)."""
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    """> 0 means MLA attention."""
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+
+def _req(config: dict[str, Any], field: str) -> Any:
+    if config.get(field) is None:
+        raise ModelConfigError(f"{config.get('model_type')}: config field {field!r} is missing")
+    return config[field]
+
+
+def _pos_int(config: dict[str, Any], field: str) -> int:
+    value = _req(config, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ModelConfigError(
+            f"{config.get('model_type')}: config field {field!r}={value!r} must be an int >= 1"
+        )
+    return value
+
+
+def _refuse_flag(config: dict[str, Any], field: str) -> None:
+    # o_proj / MLP biases would need row-parallel bias rules no layout of DESIGN 4 defines.
+    if config.get(field):
+        raise ModelConfigError(f"{config.get('model_type')}: {field}=true is not supported (no layout rule)")
+
+
+def _common(config: dict[str, Any], family: str) -> dict[str, Any]:
+    hidden = _pos_int(config, "hidden_size")
+    heads = _pos_int(config, "num_attention_heads")
+    return {
+        "family": family,
+        "model_type": str(config.get("model_type", family)),
+        "hidden": hidden,
+        "vocab": _pos_int(config, "vocab_size"),
+        "num_layers": _pos_int(config, "num_hidden_layers"),
+        "num_heads": heads,
+        "intermediate": _pos_int(config, "intermediate_size"),
+        "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+    }
+
+
+def _gqa(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    nkv = config.get("num_key_value_heads") or base["num_heads"]
+    head_dim = config.get("head_dim") or base["hidden"] // base["num_heads"]
+    _refuse_flag(config, "attention_bias")
+    _refuse_flag(config, "mlp_bias")
+    model_type = base["model_type"]
+    return {
+        **base,
+        "num_kv_heads": int(nkv),
+        "head_dim": int(head_dim),
+        "qkv_bias": model_type == "qwen2",
+        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+    }
+
+
+def _qwen3_moe(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    dims = _gqa(config, base)
+    experts = _pos_int(config, "num_experts")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    moe = frozenset(i for i in range(base["num_layers"]) if i not in dense and (i + 1) % step == 0)
+    return {
+        **dims,
+        "num_experts": experts,
+        "moe_intermediate": _pos_int(config, "moe_intermediate_size"),
+        "moe_layers": moe,
+    }
+
+
+def _deepseek_v3(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    q_lora = config.get("q_lora_rank")
+    nope, rope = _pos_int(config, "qk_nope_head_dim"), _pos_int(config, "qk_rope_head_dim")
+    experts = _pos_int(config, "n_routed_experts")
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    freq = int(config.get("moe_layer_freq") or 1)
+    moe_inter = _pos_int(config, "moe_intermediate_size")
+    moe = frozenset(i for i in range(base["num_layers"]) if i >= first_dense and i % freq == 0)
+    return {
+        **base,
+        "num_kv_heads": base["num_heads"],
+        "head_dim": nope + rope,
+        "num_experts": experts,
+        "moe_intermediate": moe_inter,
+        "shared_intermediate": moe_inter * int(config.get("n_shared_experts") or 0),
+        "moe_layers": moe,
+        "expert_bias": config.get("topk_method") == "noaux_tc",
+        "q_lora_rank": int(q_lora) if q_lora else None,
+        "kv_lora_rank": _pos_int(config, "kv_lora_rank"),
+        "qk_nope_head_dim": nope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": _pos_int(config, "v_head_dim"),
+    }
+
+
+def model_dims(config: dict[str, Any]) -> ModelDims:
+    """Typed dimensions of a supported config; ModelConfigError for unknown families or missing fields."""
+    family = model_family(config)
+    base = _common(config, family)
+    if family == "llama":
+        fields = _gqa(config, base)
+    elif family == "qwen3_moe":
+        fields = _qwen3_moe(config, base)
+    else:
+        fields = _deepseek_v3(config, base)
+    dims = ModelDims(**fields)
+    if not dims.mla and dims.num_heads % dims.num_kv_heads != 0:
+        raise ModelConfigError(
+            f"{dims.model_type}: num_attention_heads={dims.num_heads} is not a multiple of "
+            f"num_key_value_heads={dims.num_kv_heads}"
+        )
+    return dims

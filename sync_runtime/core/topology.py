@@ -1,0 +1,192 @@
+"""Parallel topologies and rank coordinates (DESIGN.md sections 4 and 5).
+
+A topology is the user's declared parallelism of one side of a sync. Coordinates of a real
+participant are reported by the participant itself; `enumerate_ranks` gives the canonical
+enumeration used when planning without participants (CLI, tests) and to check that the
+reported coordinates cover the declared topology exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sync_runtime.errors import TopologyError
+
+
+class Role(StrEnum):
+    SOURCE = "source"
+    DESTINATION = "destination"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelSpec:
+    """Declared parallelism of one side of a sync."""
+
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size (stages)."""
+    dp: int = 1
+    """Data-parallel size of the source (identical dense copies). Destinations use `replicas`."""
+    ep: int = 1
+    """Expert-parallel size. Source: experts split over ep ranks inside tp*dp; destination: ep == tp or 1."""
+    etp: int = 1
+    """Expert-tensor-parallel size (source only)."""
+    vpp: int = 1
+    """Virtual pipeline chunks per stage (source only)."""
+    replicas: int = 1
+    """Destination data-parallel replicas (independent inference engines)."""
+    layer_counts: tuple[int, ...] | None = None
+    """Explicit per-stage layer counts for uneven PP splits; None = even split."""
+
+    def __post_init__(self) -> None:
+        for field in ("tp", "pp", "dp", "ep", "etp", "vpp", "replicas"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise TopologyError(f"{field}={value!r}: must be an integer >= 1")
+        if self.layer_counts is not None:
+            if len(self.layer_counts) != self.pp:
+                raise TopologyError(
+                    f"layer_counts has {len(self.layer_counts)} entries, pp={self.pp} needs one per stage"
+                )
+            if any(c < 1 for c in self.layer_counts):
+                raise TopologyError(f"layer_counts={list(self.layer_counts)}: every stage needs >= 1 layer")
+
+    @property
+    def ranks_per_replica(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def world_size(self) -> int:
+        return self.ranks_per_replica * self.replicas
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: identical copies of each expert shard inside one PP stage."""
+        return (self.tp * self.dp) // (self.ep * self.etp)
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelSpec:
+        """Parse "tp=8,pp=8,dp=4,ep=32,etp=1" (also "layers=8+8+7" for explicit stage sizes)."""
+        values: dict[str, object] = {}
+        names = {f.name for f in dataclasses.fields(cls)}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, raw = item.partition("=")
+            key = key.strip().lower()
+            if not sep:
+                raise TopologyError(f"{item!r}: expected key=value")
+            if key in ("layers", "layer_counts"):
+                try:
+                    values["layer_counts"] = tuple(int(x) for x in raw.split("+"))
+                except ValueError as e:
+                    raise TopologyError(f"{item!r}: layers must look like 8+8+7") from e
+                continue
+            if key not in names:
+                raise TopologyError(f"{item!r}: unknown key {key!r} (known: {', '.join(sorted(names))})")
+            try:
+                values[key] = int(raw)
+            except ValueError as e:
+                raise TopologyError(f"{item!r}: {key} must be an integer") from e
+        return cls(**values)  # type: ignore[arg-type]
+
+    def describe(self) -> str:
+        parts = [f"tp={self.tp}", f"pp={self.pp}"]
+        for key, default in (("dp", 1), ("ep", 1), ("etp", 1), ("vpp", 1), ("replicas", 1)):
+            if getattr(self, key) != default:
+                parts.append(f"{key}={getattr(self, key)}")
+        if self.layer_counts is not None:
+            parts.append("layers=" + "+".join(map(str, self.layer_counts)))
+        return ",".join(parts)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankCoord:
+    """Where one participant sits in its side's topology. Reported by the participant."""
+
+    role: Role
+    replica: int = 0
+    """Destination replica index (0 for the source)."""
+    tp_rank: int = 0
+    pp_rank: int = 0
+    dp_rank: int = 0
+    ep_rank: int = 0
+    etp_rank: int = 0
+    edp_rank: int = 0
+    node: str = "node-0"
+    device: str = "cpu"
+
+    @property
+    def key(self) -> tuple[str, int, int, int, int]:
+        """Identity of the rank inside its side (what must be unique)."""
+        return (self.role.value, self.replica, self.pp_rank, self.dp_rank, self.tp_rank)
+
+
+def source_expert_coords(spec: ParallelSpec, tp_rank: int, dp_rank: int) -> tuple[int, int, int]:
+    """(ep_rank, etp_rank, edp_rank) of a source rank, Megatron's "tp-ep-dp" expert order.
+
+    Inside one PP stage the tp*dp ranks are regrouped for expert layers as etp x ep x edp,
+    etp fastest: local index l = tp_rank + tp * dp_rank.
+    """
+    local = tp_rank + spec.tp * dp_rank
+    return (local // spec.etp) % spec.ep, local % spec.etp, local // (spec.etp * spec.ep)
+
+
+def enumerate_ranks(spec: ParallelSpec, role: Role, gpus_per_node: int = 8) -> list[RankCoord]:
+    """Canonical ranks of one side, in Megatron's tp-fastest order, placed gpus_per_node per node.
+
+    Source order: tp, dp, pp (global = tp + tp*(dp + dp*pp)). Destination order per replica:
+    tp, pp; replicas outermost. Destinations have ep == tp (EP inside TP) or ep == 1.
+    """
+    coords: list[RankCoord] = []
+    if role is Role.SOURCE:
+        for pp_rank in range(spec.pp):
+            for dp_rank in range(spec.dp):
+                for tp_rank in range(spec.tp):
+                    ep_rank, etp_rank, edp_rank = source_expert_coords(spec, tp_rank, dp_rank)
+                    coords.append(
+                        RankCoord(
+                            role=role,
+                            tp_rank=tp_rank,
+                            pp_rank=pp_rank,
+                            dp_rank=dp_rank,
+                            ep_rank=ep_rank,
+                            etp_rank=etp_rank,
+                            edp_rank=edp_rank,
+                        )
+                    )
+    else:
+        for replica in range(spec.replicas):
+            for pp_rank in range(spec.pp):
+                for tp_rank in range(spec.tp):
+                    ep_rank = tp_rank if spec.ep > 1 else 0
+                    coords.append(
+                        RankCoord(
+                            role=role, replica=replica, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank
+                        )
+                    )
+    return [
+        dataclasses.replace(
+            c, node=f"{role.value}-node-{i // gpus_per_node}", device=f"cuda:{i % gpus_per_node}"
+        )
+        for i, c in enumerate(coords)
+    ]
+
+
+def stage_layer_ranges(num_layers: int, pp: int, layer_counts: tuple[int, ...] | None = None) -> list[range]:
+    """Global layer range of each PP stage (DESIGN 4.1/4.2: first L % p stages get one extra layer)."""
+    if pp > num_layers:
+        raise TopologyError(f"pp={pp} has more stages than the model's {num_layers} layers")
+    if layer_counts is None:
+        base, extra = divmod(num_layers, pp)
+        layer_counts = tuple(base + (1 if s < extra else 0) for s in range(pp))
+    elif sum(layer_counts) != num_layers:
+        raise TopologyError(
+            f"layer_counts={list(layer_counts)} sum to {sum(layer_counts)}, the model has {num_layers} layers"
+        )
+    ranges, start = [], 0
+    for count in layer_counts:
+        ranges.append(range(start, start + count))
+        start += count
+    return ranges

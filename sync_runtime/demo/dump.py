@@ -1,0 +1,62 @@
+"""`weightsync demo --dump DIR`: the files of DESIGN 4.4, written from what the actors really hold.
+
+DIR/manifest.json, DIR/reference.safetensors (canonical HF names, bf16),
+DIR/destination/replica-{k}/pp{s}-tp{r}.safetensors (vLLM names, read back from each
+destination actor after the sync), DIR/report.json.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from safetensors.torch import save_file
+
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.runtime.discovery import Participant
+from sync_runtime.schema.report import SyncReport
+
+
+def _side(layout: str, spec: ParallelSpec, keys: Sequence[str]) -> dict[str, Any]:
+    return {"layout": layout, **{k: getattr(spec, k) for k in keys}}
+
+
+def write_dump(
+    out: Path,
+    *,
+    model_config: Mapping[str, Any],
+    src_layout: str,
+    src: ParallelSpec,
+    dst: ParallelSpec,
+    reference: Mapping[str, np.ndarray],
+    destinations: Sequence[Participant],
+    report: SyncReport,
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = {
+        "model": dict(model_config),
+        "source": _side(src_layout, src, ("tp", "pp", "dp", "ep", "etp")),
+        "destination": _side("vllm", dst, ("tp", "pp", "ep", "replicas")),
+        "dtype": "bfloat16",
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    save_file(
+        {
+            name: torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
+            for name, a in reference.items()
+        },
+        str(out / "reference.safetensors"),
+    )
+    for p in destinations:
+        c = p.meta.coord
+        names = [t.name for t in p.meta.tensors]
+        tensors = ray.get([p.handle.ws_tensor.remote(n) for n in names])
+        path = out / "destination" / f"replica-{c.replica}" / f"pp{c.pp_rank}-tp{c.tp_rank}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file({n: t.contiguous() for n, t in zip(names, tensors, strict=True)}, str(path))
+    (out / "report.json").write_text(report.model_dump_json(by_alias=True, indent=2) + "\n")

@@ -1,0 +1,221 @@
+"""`weightsync demo`: a real sync between sharded Ray actors on one machine (helpers that tests
+and end-to-end checks reuse live in demo_cluster and are re-exported here).
+
+Default run: an embedded Ray cluster, a tiny Qwen3-MoE with seeded random bf16 weights, Megatron
+sources (tp=2,pp=2,ep=2) and two vLLM replicas (tp=2,ep=2) holding stale weights; a cold sync,
+a bit-exact check of every destination rank, a second sync of changed weights on the warm path
+(plan and process group reused), and a summary. Modes for an external cluster:
+`--participants-only` (create detached participants and exit), `--train-step V` (sources
+regenerate version V), `--verify-only --expect-version V` (exit 0 only when every destination
+holds exactly version V's bits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+from rich.console import Console
+
+from sync_runtime.demo.cluster import (
+    DEFAULT_MODEL,
+    DEFAULT_NAMESPACE,
+    DemoSetup,
+    connect,
+    create_participants,
+    destination_name,
+    destination_participants,
+    kill_participants,
+    source_name,
+    start_local_ray,
+    train_step,
+    verify_destinations,
+    weightsync_spec,
+)
+from sync_runtime.demo.console import ConsoleReporter, human_bytes, ranks_table, summary_table
+from sync_runtime.demo.weights import reference_weights
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import SyncReport, SyncResult
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "DemoSetup",
+    "add_arguments",
+    "create_participants",
+    "destination_name",
+    "destination_participants",
+    "kill_participants",
+    "run",
+    "source_name",
+    "start_local_ray",
+    "train_step",
+    "verify_destinations",
+    "weightsync_spec",
+]
+"""Re-exported for tests and end-to-end checks: `from sync_runtime.demo.run import ...`."""
+
+
+# ---- the CLI -------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or path of a config.json")
+    parser.add_argument("--src", default="tp=2,pp=2,ep=2", help="source (megatron) parallelism")
+    parser.add_argument("--dst", default="tp=2,ep=2,replicas=2", help="destination (vllm) parallelism")
+    parser.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, version)")
+    parser.add_argument("--dump", type=Path, help="write DESIGN 4.4 files here")
+    parser.add_argument("--ray-address", help="use an existing Ray cluster instead of an embedded one")
+    parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Ray namespace of the participants")
+    parser.add_argument("--src-prefix", default="trainer-", help="source actor-name prefix")
+    parser.add_argument("--dst-prefix", default="infer-", help="destination actor-name prefix")
+    parser.add_argument("--timeout", type=int, default=120, help="transfer timeout in seconds")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--participants-only",
+        action="store_true",
+        help="create detached participants (sources at --version, destinations at --stale-version)",
+    )
+    mode.add_argument("--train-step", metavar="VERSION", help="sources regenerate the weights of VERSION")
+    mode.add_argument("--verify-only", action="store_true", help="check destinations hold --expect-version")
+    parser.add_argument("--version", default="v1", help="source version for --participants-only")
+    parser.add_argument("--stale-version", default="v0", help="destination version for --participants-only")
+    parser.add_argument("--expect-version", help="version --verify-only expects")
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    setup = DemoSetup.create(
+        args.model,
+        args.src,
+        args.dst,
+        seed=args.seed,
+        namespace=args.namespace,
+        src_prefix=args.src_prefix,
+        dst_prefix=args.dst_prefix,
+    )
+    if args.participants_only or args.train_step or args.verify_only:
+        if not args.ray_address:
+            console.print("[red]this mode needs --ray-address[/]")
+            return 2
+        connect(args.ray_address, args.namespace)
+        return _external_mode(setup, args, console)
+    return run_demo(setup, args, console)
+
+
+def _external_mode(setup: DemoSetup, args: argparse.Namespace, console: Console) -> int:
+    if args.participants_only:
+        handles = create_participants(
+            setup, src_version=args.version, dst_version=args.stale_version, detached=True
+        )
+        console.print(
+            f"created {len(handles)} detached participants in namespace {setup.namespace!r} "
+            f"(sources {setup.src_prefix}*, destinations {setup.dst_prefix}*)"
+        )
+        return 0
+    if args.train_step:
+        train_step(setup, args.train_step)
+        console.print(f"sources now hold version {args.train_step}")
+        return 0
+    if not args.expect_version:
+        console.print("[red]--verify-only needs --expect-version[/]")
+        return 2
+    problems = verify_destinations(setup, args.expect_version)
+    for line in problems:
+        console.print(f"[red]{line}[/]")
+    if not problems:
+        console.print(f"verified: every destination rank holds {args.expect_version} bit-exact")
+    return 1 if problems else 0
+
+
+def run_demo(setup: DemoSetup, args: argparse.Namespace, console: Console) -> int:
+    started = time.monotonic()
+    address = args.ray_address or start_local_ray(namespace=setup.namespace)
+    if args.ray_address:
+        connect(args.ray_address, setup.namespace)
+    console.print(
+        f"[bold]WeightSync demo[/]: {setup.model} ({len(setup.manifest.tensors)} tensors, "
+        f"{human_bytes(setup.manifest.nbytes)} bf16), "
+        f"megatron {setup.src.describe()} -> vllm {setup.dst.describe()}"
+    )
+    coordinator = None
+    try:
+        create_participants(setup, src_version="v1", dst_version="v0")
+        console.print(
+            f"  {setup.src.world_size} source + {setup.dst.world_size} destination actors ready "
+            f"({time.monotonic() - started:.1f}s)"
+        )
+        spec = weightsync_spec(
+            setup, "v1", address=address, transport=Transport(transfer_timeout_seconds=args.timeout)
+        )
+        reporter = ConsoleReporter(console)
+        coordinator = Coordinator(spec, reporter, manifest=setup.manifest)
+        reports, verified = _two_syncs(setup, coordinator, console)
+        if args.dump and reports[-1].result is SyncResult.SUCCEEDED:
+            _dump(setup, args.dump, reports[-1])
+            console.print(f"  dump written to {args.dump}")
+        console.print(ranks_table(reports[-1]))
+        console.print(summary_table(reports, verified))
+        ok = all(r.result is SyncResult.SUCCEEDED for r in reports) and all(
+            v.startswith("yes") for v in verified
+        )
+        console.print(
+            f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAILED'}[/] "
+            f"in {time.monotonic() - started:.1f}s"
+        )
+        return 0 if ok else 1
+    finally:
+        if coordinator is not None:
+            coordinator.close()
+        kill_participants(setup)
+        if not args.ray_address:
+            ray.shutdown()
+
+
+def _two_syncs(
+    setup: DemoSetup, coordinator: Coordinator, console: Console
+) -> tuple[list[SyncReport], list[str]]:
+    reports, verified = [], []
+    for version in ("v1", "v2"):
+        if version != "v1":
+            train_step(setup, version)
+            console.print(f"  sources trained a step: now {version}")
+        report = coordinator.sync(version)
+        reports.append(report)
+        if report.result is not SyncResult.SUCCEEDED:
+            verified.append("no (sync failed)")
+            break
+        problems = verify_destinations(setup, version)
+        for line in problems:
+            console.print(f"  [red]{line}[/]")
+        verified.append("no" if problems else f"yes ({setup.dst.world_size} ranks)")
+    return reports, verified
+
+
+def _dump(setup: DemoSetup, out: Path, report: SyncReport) -> None:
+    from sync_runtime.demo.dump import write_dump
+
+    write_dump(
+        out,
+        model_config=setup.config,
+        src_layout="megatron",
+        src=setup.src,
+        dst=setup.dst,
+        reference=reference_weights(setup.manifest, setup.seed, report.version),
+        destinations=destination_participants(setup),
+        report=report,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="weightsync demo")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

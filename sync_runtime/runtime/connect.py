@@ -1,0 +1,81 @@
+"""Connecting the runtime to the participants' Ray cluster, with the mounted auth token."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+import ray
+
+from sync_runtime.runtime.calls import first_line
+from sync_runtime.schema import crd
+from sync_runtime.schema.crd import WeightSyncSpec
+
+
+class RayFailure(RuntimeError):
+    """Cannot connect to the participants' Ray cluster."""
+
+
+def resolve_address(spec: WeightSyncSpec, namespace: str | None = None) -> str | None:
+    """The one Ray address of all deployments (None when they disagree or name none)."""
+    namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
+    try:
+        addresses = {crd.resolve_ray_address(r, namespace) for r in spec.deployments()}
+    except ValueError:
+        return None
+    return addresses.pop() if len(addresses) == 1 else None
+
+
+def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
+    """Connect this process to the one Ray cluster all deployments live in (once per process).
+
+    Returns the resolved address; a process already connected (the demo's driver) is reused.
+    """
+    namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
+    refs = spec.deployments()
+    try:
+        addresses = [crd.resolve_ray_address(r, namespace) for r in refs]
+    except ValueError as e:
+        raise RayFailure(str(e)) from e
+    if len(set(addresses)) != 1:
+        listed = ", ".join(f"{r.name}={a}" for r, a in zip(refs, addresses, strict=True))
+        raise RayFailure(f"all deployments must share one Ray cluster; got {listed}")
+    address = addresses[0]
+    if ray.is_initialized():
+        return address
+    try:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    except Exception as e:  # ray.init raises ConnectionError, ValueError, RuntimeError...
+        raise RayFailure(f"cannot connect to Ray at {address}: {type(e).__name__}: {first_line(e)}") from e
+    return address
+
+
+def ray_token_from_env() -> str | None:
+    """The Ray auth token the operator mounted (`crd.ray_token_env_name`), source's first.
+
+    All deployments share one cluster, hence one token. Never logged.
+    """
+    for index in range(crd.MAX_DESTINATIONS + 1):
+        value = os.environ.get(crd.ray_token_env_name(index), "").strip()
+        if value:
+            return value
+    return None
+
+
+def ensure_ray_auth_env(argv: Sequence[str]) -> None:
+    """Make Ray see the mounted token, the documented way: RAY_AUTH_MODE=token and RAY_AUTH_TOKEN
+    in the environment *before* Ray is imported (Ray caches its auth config at import time).
+
+    When Ray is already imported (the CLI imports it with the coordinator), re-execute the same
+    command with the variables set; the token travels in the environment, never in argv.
+    """
+    token = ray_token_from_env()
+    if not token or (
+        os.environ.get("RAY_AUTH_TOKEN") == token and os.environ.get("RAY_AUTH_MODE") == "token"
+    ):
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    os.environ["RAY_AUTH_TOKEN"] = token
+    if "ray" in sys.modules:
+        os.execv(sys.executable, [sys.executable, *argv])

@@ -1,0 +1,377 @@
+"""The coordinator: one sync end to end, from discovery to the collective commit.
+
+One `Coordinator` lives as long as its WeightSync. A sync is: discover -> plan (cached while the
+topology digest is unchanged) -> connect (the single process group, reused while healthy) ->
+transfer (every rank runs its whole rank plan concurrently) -> verify -> commit or abort (the
+collective decision: commit on every destination only when every rank succeeded). Every
+blocking wait has a deadline; any failure is reported with a reason, the rank and the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import ray
+
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.plan import SyncPlan
+from sync_runtime.core.topology import Role
+from sync_runtime.planner import PlannerConfig, plan_sync
+from sync_runtime.runtime.calls import call_all
+from sync_runtime.runtime.discovery import DiscoveredSide, Participant, discover_all
+from sync_runtime.runtime.drive import backend_for, drive_transfer
+from sync_runtime.runtime.failures import StepFailed
+from sync_runtime.runtime.session import Session
+from sync_runtime.schema.crd import WeightSyncSpec
+from sync_runtime.schema.report import (
+    ProgressEvent,
+    RankBytes,
+    Reporter,
+    StageSeconds,
+    SyncFailure,
+    SyncReport,
+    SyncResult,
+    SyncStep,
+)
+
+log = logging.getLogger("weightsync.coordinator")
+MiB = 1 << 20
+
+
+@dataclass(slots=True)
+class _Attempt:
+    """Mutable bookkeeping of one sync, turned into a SyncReport at the end."""
+
+    version: str
+    started_at: datetime
+    stages: StageSeconds = dataclasses.field(default_factory=StageSeconds)
+    planned_bytes: int = 0
+    moved_bytes: int = 0
+    ranks: list[RankBytes] = dataclasses.field(default_factory=list)
+    plan: SyncPlan | None = None
+    plan_cached: bool = False
+
+
+class Coordinator:
+    """Drives the syncs of one WeightSync, from a process connected to the participants' Ray cluster."""
+
+    def __init__(
+        self,
+        spec: WeightSyncSpec,
+        reporter: Reporter,
+        *,
+        advertise_host: str | None = None,
+        manifest: Manifest | None = None,
+    ) -> None:
+        self.spec = spec
+        self.reporter = reporter
+        self.advertise_host = advertise_host
+        self._manifest = manifest
+        self._session: Session | None = None
+        self._store = None
+        self._generation = 0
+        # Group names must never repeat across coordinator instances: a participant still holding
+        # a healthy group of a previous (restarted) runtime would otherwise "reuse" a group whose
+        # store died with that runtime.
+        self._instance = uuid.uuid4().hex[:8]
+
+    def update_spec(self, spec: WeightSyncSpec) -> None:
+        """A new desired state; the next sync rediscovers (and replans if the topology changed)."""
+        self.spec = spec
+
+    # ---- public ---------------------------------------------------------------------------
+
+    def sync(self, version: str | None = None, *, skip_if_current: bool = False) -> SyncReport:
+        """One sync of `version` (default: spec.version). Never raises for sync failures."""
+        att = _Attempt(version=version or self.spec.version, started_at=datetime.now(UTC))
+        try:
+            report = self._sync(att, skip_if_current)
+        except StepFailed as e:
+            if e.failure.step in (SyncStep.CONNECT, SyncStep.TRANSFER, SyncStep.VERIFY, SyncStep.COMMIT):
+                self._invalidate_group()
+            report = self._report(att, e.failure)
+        except Exception as e:  # a bug or an unexpected Ray error: report it, keep the loop alive
+            log.exception("sync %s failed unexpectedly", att.version)
+            self._invalidate_group()
+            failure = SyncFailure(reason="InternalError", message=f"{type(e).__name__}: {e}"[:2000])
+            report = self._report(att, failure)
+        self.reporter.finished(report)
+        return report
+
+    def close(self) -> None:
+        """Leave the process group on every participant (best effort) and drop the store."""
+        session, self._session = self._session, None
+        if session is not None and session.joined:
+            call_all(
+                [(p, "ws_leave", ()) for p in session.participants],
+                timeout_s=10.0,
+                step=SyncStep.CONNECT,
+                raise_on_error=False,
+            )
+        self._store = None
+
+    @property
+    def session(self) -> Session | None:
+        return self._session
+
+    # ---- stages ---------------------------------------------------------------------------
+
+    def _sync(self, att: _Attempt, skip_if_current: bool) -> SyncReport:
+        self._emit(att, SyncStep.DISCOVER)
+        t = time.monotonic()
+        manifest, sides, digest = discover_all(self.spec, self._manifest, self._meta_timeout())
+        att.stages.discover = time.monotonic() - t
+        dests = [p for s in sides[1:] for p in s.participants]
+        if skip_if_current and all(p.meta.version == att.version for p in dests):
+            # Already there (e.g. a runtime restart): report success without moving a byte.
+            return self._report(att, None)
+        self._emit(att, SyncStep.PLAN)
+        t = time.monotonic()
+        session = self._plan(manifest, sides, digest, att)
+        att.stages.plan = time.monotonic() - t
+        self._emit(att, SyncStep.CONNECT)
+        t = time.monotonic()
+        self._connect(session)
+        att.stages.connect = time.monotonic() - t
+        results = self._transfer(session, att)
+        self._verify(session, att, results)
+        self._emit(att, SyncStep.COMMIT)
+        t = time.monotonic()
+        dst = [p for p in session.participants if p.meta.role is Role.DESTINATION]
+        call_all(
+            [(p, "ws_commit", (att.version,)) for p in dst],
+            timeout_s=self._rpc_timeout(),
+            step=SyncStep.COMMIT,
+            ranks=self._ranks_of(session, dst),
+            reason="CommitFailed",
+        )
+        att.stages.commit = time.monotonic() - t
+        return self._report(att, None)
+
+    def _plan(
+        self, manifest: Manifest, sides: Sequence[DiscoveredSide], digest: str, att: _Attempt
+    ) -> Session:
+        if self._session is not None and self._session.topology_digest == digest:
+            # Same actors (the digest covers actor ids); take their fresh metas (group health).
+            self._session.participants = tuple(p for s in sides for p in s.participants)
+            att.plan, att.plan_cached = self._session.plan, True
+            att.planned_bytes = _plan_bytes(self._session.plan)
+            return self._session
+        if self._session is not None:
+            self.close()  # topology changed: the old group spans the wrong ranks
+        tr = self.spec.transport
+        config = PlannerConfig(
+            bucket_bytes=tr.bucket_mb * MiB,
+            staging_budget_bytes=tr.staging_budget_mb * MiB,
+            max_fan_in=tr.max_fan_in,
+            relay=tr.relay,
+        )
+        try:
+            plan = plan_sync(manifest, sides[0].side_spec(), [s.side_spec() for s in sides[1:]], config)
+        except ValueError as e:
+            raise StepFailed(SyncFailure(reason="PlanFailed", message=str(e), step=SyncStep.PLAN)) from e
+        participants = tuple(p for s in sides for p in s.participants)
+        if len(plan.ranks) != len(participants) or any(
+            c.key != p.meta.coord.key for c, p in zip(plan.ranks, participants, strict=False)
+        ):
+            raise StepFailed(
+                SyncFailure(
+                    reason="PlanFailed",
+                    step=SyncStep.PLAN,
+                    message="planner returned ranks in another order than the participants",
+                )
+            )
+        self._generation += 1
+        self._session = Session(
+            topology_digest=digest,
+            plan=plan,
+            participants=participants,
+            group_name=self._group_name(plan),
+        )
+        att.plan, att.planned_bytes = plan, _plan_bytes(plan)
+        return self._session
+
+    def _connect(self, session: Session) -> None:
+        healthy = all(
+            p.meta.group_name == session.group_name and p.meta.group_healthy for p in session.participants
+        )
+        if session.joined and healthy:
+            return
+        if session.joined:  # some participant lost the group: start a fresh one under a new name
+            self._generation += 1
+            session.group_name = self._group_name(session.plan)
+            session.joined = session.plans_sent = False
+        session.syncs = 0
+        host, port = self._ensure_store()
+        tr, world = self.spec.transport, len(session.participants)
+        backend = backend_for(session.participants, tr)
+        calls = [
+            (
+                p,
+                "ws_join",
+                (host, port, rank, world, backend, float(tr.connect_timeout_seconds), session.group_name),
+            )
+            for rank, p in enumerate(session.participants)
+        ]
+        call_all(
+            calls,
+            timeout_s=tr.connect_timeout_seconds + 10.0,
+            step=SyncStep.CONNECT,
+            ranks=list(range(world)),
+            reason="ConnectFailed",
+        )
+        session.joined = True
+
+    def _transfer(self, session: Session, att: _Attempt) -> list:
+        self._emit(att, SyncStep.TRANSFER)
+        t = time.monotonic()
+        try:
+            results = drive_transfer(
+                session,
+                self.spec.transport,
+                att.version,
+                self._store,
+                self._progress_sink(att),
+            )
+        except StepFailed as failure:
+            att.stages.transfer = time.monotonic() - t
+            self._abort_all(session, skip=failure.unfinished)
+            raise failure from None
+        att.stages.transfer = time.monotonic() - t
+        session.plans_sent = True
+        for rank, r in enumerate(results):
+            p = session.participants[rank]
+            att.ranks.append(
+                RankBytes(
+                    rank=rank,
+                    role=p.meta.role.value,
+                    name=p.name,
+                    send_bytes=r.send_bytes,
+                    recv_bytes=r.recv_bytes,
+                )
+            )
+        att.moved_bytes = sum(r.recv_bytes for r in results)
+        return results
+
+    def _verify(self, session: Session, att: _Attempt, results: list) -> None:
+        """Every rank received exactly what the plan says (the engine checked checksums per tensor)."""
+        self._emit(att, SyncStep.VERIFY)
+        t = time.monotonic()
+        expected = [0] * len(session.participants)
+        for rnd in session.plan.rounds:
+            for b in rnd.buckets:
+                expected[b.dst_rank] += b.nbytes
+        for rank, r in enumerate(results):
+            if r.recv_bytes != expected[rank]:
+                self._abort_all(session)
+                raise StepFailed(
+                    SyncFailure(
+                        reason="VerifyFailed",
+                        rank=rank,
+                        step=SyncStep.VERIFY,
+                        message=f"rank {rank} ({session.participants[rank].name}) received "
+                        f"{r.recv_bytes} bytes, the plan says {expected[rank]}",
+                    )
+                )
+        att.stages.verify = time.monotonic() - t
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _abort_all(self, session: Session, skip: frozenset[int] = frozenset()) -> None:
+        """Drop staging on every destination that answers. A rank still stuck in ws_run is not
+        waited for: it never commits by itself, and the failure flag ends its run."""
+        dst = [
+            p
+            for rank, p in enumerate(session.participants)
+            if p.meta.role is Role.DESTINATION and rank not in skip
+        ]
+        for rank in skip:
+            session.participants[rank].handle.ws_abort.remote()  # runs after its ws_run returns
+        call_all(
+            [(p, "ws_abort", ()) for p in dst],
+            timeout_s=self._rpc_timeout(),
+            step=SyncStep.COMMIT,
+            raise_on_error=False,
+        )
+
+    def _invalidate_group(self) -> None:
+        if self._session is not None:
+            self._session.joined = False
+            self._session.plans_sent = False
+            self._session.syncs = 0
+            self._generation += 1
+            self._session.group_name = self._group_name(self._session.plan)
+
+    def _group_name(self, plan: SyncPlan) -> str:
+        return f"ws-{plan.digest[:10]}-{self._instance}-g{self._generation}"
+
+    def _ensure_store(self) -> tuple[str, int]:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        host = self.advertise_host or os.environ.get("POD_IP") or ray.util.get_node_ip_address()
+        if self._store is None:
+            timeout = timedelta(seconds=self.spec.transport.connect_timeout_seconds)
+            # Port 0: the OS picks a free port; the store listens on every interface.
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        return host, self._store.port
+
+    def _meta_timeout(self) -> float:
+        return float(self.spec.transport.connect_timeout_seconds)
+
+    def _rpc_timeout(self) -> float:
+        return min(60.0, float(self.spec.transport.transfer_timeout_seconds)) + 5.0
+
+    @staticmethod
+    def _ranks_of(session: Session, ps: Sequence[Participant]) -> list[int]:
+        index = {id(p): i for i, p in enumerate(session.participants)}
+        return [index[id(p)] for p in ps]
+
+    def _emit(self, att: _Attempt, step: SyncStep, done: int = 0) -> None:
+        rounds = len(att.plan.rounds) if att.plan else 0
+        self.reporter.progress(
+            ProgressEvent(
+                version=att.version, step=step, done_bytes=done, total_bytes=att.planned_bytes, rounds=rounds
+            )
+        )
+
+    def _progress_sink(self, att: _Attempt):
+        return lambda done: self._emit(att, SyncStep.TRANSFER, done)
+
+    def _report(self, att: _Attempt, failure: SyncFailure | None) -> SyncReport:
+        end = datetime.now(UTC)
+        seconds = (end - att.started_at).total_seconds()
+        plan = att.plan
+        return SyncReport(
+            version=att.version,
+            started_at=att.started_at,
+            finished_at=end,
+            result=SyncResult.FAILED if failure else SyncResult.SUCCEEDED,
+            failure=failure,
+            planned_bytes=att.planned_bytes,
+            moved_bytes=att.moved_bytes,
+            seconds=seconds,
+            throughput_bytes_per_second=att.moved_bytes / att.stages.transfer if att.stages.transfer else 0.0,
+            stages=att.stages,
+            ranks=att.ranks,
+            plan_digest=plan.digest if plan else "",
+            plan_cached=att.plan_cached,
+            rounds=len(plan.rounds) if plan else 0,
+            transfers=sum(len(b.transfers) for r in plan.rounds for b in r.buckets) if plan else 0,
+            relay=plan.relay if plan else False,
+        )
+
+
+def _plan_bytes(plan: SyncPlan) -> int:
+    return sum(b.nbytes for r in plan.rounds for b in r.buckets)
+
+
+__all__ = ["Coordinator", "Session"]

@@ -1,0 +1,249 @@
+"""Discovery: find a deployment's participants by Ray namespace and actor-name prefix, gather
+what each reports, and check it against the declared parallelism and the manifest.
+
+Names only select candidates; identity comes from the coordinates each participant reports.
+Every mismatch is found before a byte moves and reported together, each line naming the rank
+and what differs (missing/duplicate rank, wrong TP/PP/DP/replica size, tensor shape or dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.errors import DiscoveryError, LayoutError, ModelConfigError, TopologyMismatchError
+from sync_runtime.planner import SideSpec
+from sync_runtime.runtime.failures import StepFailed
+from sync_runtime.runtime.participant import ParticipantMeta
+from sync_runtime.schema.crd import DeploymentRef, WeightSyncSpec
+from sync_runtime.schema.report import SyncFailure, SyncStep
+
+MAX_LISTED = 12
+"""Mismatch lines shown in one error; the rest are counted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Participant:
+    handle: Any
+    """Ray actor handle."""
+    name: str
+    namespace: str
+    meta: ParticipantMeta
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveredSide:
+    """One deployment as found: participants in global-rank order (`enumerate_ranks` order)."""
+
+    ref: DeploymentRef
+    role: Role
+    spec: ParallelSpec
+    participants: tuple[Participant, ...]
+
+    def side_spec(self) -> SideSpec:
+        coords = tuple(p.meta.coord for p in self.participants)
+        return SideSpec(layout=self.ref.layout, spec=self.spec, coords=coords)
+
+
+def rank_label(coord: RankCoord) -> str:
+    if coord.role is Role.SOURCE:
+        return f"pp={coord.pp_rank},dp={coord.dp_rank},tp={coord.tp_rank}"
+    return f"replica={coord.replica},pp={coord.pp_rank},tp={coord.tp_rank}"
+
+
+def find_actors(namespace: str, prefix: str) -> list[tuple[str, Any]]:
+    """(name, handle) of the named actors in `namespace` whose name starts with `prefix`, sorted."""
+    found = sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == namespace and a["name"].startswith(prefix)
+    )
+    return [(name, ray.get_actor(name, namespace=namespace)) for name in found]
+
+
+def gather(ref: DeploymentRef, timeout_s: float) -> list[Participant]:
+    """Ask every candidate actor of `ref` for its meta, concurrently, within `timeout_s`."""
+    actors = find_actors(ref.ray_namespace, ref.actor_prefix)
+    if not actors:
+        raise DiscoveryError(
+            f"deployment {ref.name!r}: no named actors starting with {ref.actor_prefix!r} "
+            f"in Ray namespace {ref.ray_namespace!r}"
+        )
+    refs = {h.ws_meta.remote(): (name, h) for name, h in actors}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        late = ", ".join(refs[r][0] for r in pending)
+        raise DiscoveryError(f"deployment {ref.name!r}: no metadata within {timeout_s:g}s from {late}")
+    out = []
+    for r in ready:
+        name, handle = refs[r]
+        try:
+            meta = ray.get(r)
+        except ray.exceptions.RayError as e:
+            raise DiscoveryError(f"deployment {ref.name!r}: actor {name} failed ws_meta: {e}") from e
+        out.append(Participant(handle=handle, name=name, namespace=ref.ray_namespace, meta=meta))
+    return out
+
+
+def check_side(
+    ref: DeploymentRef,
+    role: Role,
+    participants: Sequence[Participant],
+    manifest: Manifest,
+) -> DiscoveredSide:
+    """Match participants to the declared topology; raise TopologyMismatchError listing every difference."""
+    spec = ref.parallelism.to_spec()
+    get_layout(ref.layout).validate(manifest, spec)
+    problems = _identity_problems(ref, role, participants)
+    expected = {c.key: c for c in enumerate_ranks(spec, role)}
+    by_key = {p.meta.coord.key: p for p in participants}
+    problems += _size_problems(spec, role, [p.meta.coord for p in participants])
+    for key, want in expected.items():
+        if key not in by_key:
+            problems.append(f"missing rank {rank_label(want)}")
+    for key, p in by_key.items():
+        if key not in expected:
+            problems.append(f"unexpected rank {rank_label(p.meta.coord)} (actor {p.name})")
+    for key, want in expected.items():
+        # Shapes are only meaningful for a rank that sits where it should, under the right layout.
+        if key in by_key and by_key[key].meta.layout == ref.layout:
+            problems += _rank_problems(ref, spec, manifest, by_key[key], want)
+    if problems:
+        raise TopologyMismatchError(_format(ref, spec, problems))
+    ordered = tuple(by_key[key] for key in expected)
+    return DiscoveredSide(ref=ref, role=role, spec=spec, participants=ordered)
+
+
+def _identity_problems(ref: DeploymentRef, role: Role, participants: Sequence[Participant]) -> list[str]:
+    problems = []
+    for p in participants:
+        if p.meta.role is not role:
+            problems.append(f"actor {p.name} reports role {p.meta.role.value}, expected {role.value}")
+        if p.meta.layout != ref.layout:
+            problems.append(f"actor {p.name} reports layout {p.meta.layout!r}, expected {ref.layout!r}")
+    counts = Counter(p.meta.coord.key for p in participants)
+    for key, n in counts.items():
+        if n > 1:
+            names = sorted(p.name for p in participants if p.meta.coord.key == key)
+            coord = next(p.meta.coord for p in participants if p.meta.coord.key == key)
+            problems.append(f"duplicate rank {rank_label(coord)} reported by {', '.join(names)}")
+    return problems
+
+
+def _size_problems(spec: ParallelSpec, role: Role, coords: Sequence[RankCoord]) -> list[str]:
+    """Sizes the actors imply (highest rank + 1) against the declared ones: 'wrong TP size'."""
+    axes = [("TP", "tp_rank", spec.tp), ("PP", "pp_rank", spec.pp)]
+    axes.append(("DP", "dp_rank", spec.dp) if role is Role.SOURCE else ("replicas", "replica", spec.replicas))
+    problems = []
+    for label, attr, declared in axes:
+        seen = sorted({getattr(c, attr) for c in coords})
+        if seen and (seen[-1] + 1 != declared or seen[0] < 0):
+            problems.append(
+                f"{label} size: actors report {attr} {seen} ({label}={seen[-1] + 1}), "
+                f"expected {label}={declared}"
+            )
+    return problems
+
+
+def _rank_problems(
+    ref: DeploymentRef,
+    spec: ParallelSpec,
+    manifest: Manifest,
+    p: Participant,
+    want: RankCoord,
+) -> list[str]:
+    got, label = p.meta.coord, f"rank {rank_label(p.meta.coord)} (actor {p.name})"
+    problems = [
+        f"{label}: {attr}={getattr(got, attr)}, expected {getattr(want, attr)}"
+        for attr in ("ep_rank", "etp_rank", "edp_rank")
+        if getattr(got, attr) != getattr(want, attr)
+    ]
+    shard = get_layout(ref.layout).shard(manifest, spec, got)
+    expected = {t.name: t for t in shard.tensors}
+    reported = {t.name: t for t in p.meta.tensors}
+    for name in expected.keys() - reported.keys():
+        problems.append(f"{label}: missing tensor {name} {list(expected[name].shape)}")
+    for name in reported.keys() - expected.keys():
+        problems.append(f"{label}: unexpected tensor {name} {list(reported[name].shape)}")
+    for name in sorted(expected.keys() & reported.keys()):
+        e, r = expected[name], reported[name]
+        if tuple(e.shape) != tuple(r.shape):
+            problems.append(
+                f"{label}: tensor {name} has shape {list(r.shape)}, manifest says {list(e.shape)}"
+            )
+        elif e.dtype != r.dtype:
+            problems.append(f"{label}: tensor {name} has dtype {r.dtype}, manifest says {e.dtype}")
+    return problems
+
+
+def _format(ref: DeploymentRef, spec: ParallelSpec, problems: list[str]) -> str:
+    shown = problems[:MAX_LISTED]
+    more = f"\n  ... and {len(problems) - MAX_LISTED} more" if len(problems) > MAX_LISTED else ""
+    head = (
+        f"deployment {ref.name!r} ({ref.layout}, {spec.describe()}, actors "
+        f"{ref.ray_namespace}/{ref.actor_prefix}*) does not match: {len(problems)} difference(s)"
+    )
+    return head + "".join(f"\n  - {line}" for line in shown) + more
+
+
+def topology_digest(manifest: Manifest, sides: Sequence[DiscoveredSide]) -> str:
+    """Changes whenever a plan or the process group would: tensors, coords, layouts, actor identities."""
+    doc = {
+        "tensors": [[t.name, list(t.shape), t.dtype] for t in manifest.tensors],
+        "sides": [
+            {
+                "layout": s.ref.layout,
+                "spec": dataclasses.asdict(s.spec),
+                "ranks": [[dataclasses.asdict(p.meta.coord), p.meta.actor_id] for p in s.participants],
+            }
+            for s in sides
+        ],
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _manifest(spec: WeightSyncSpec, sources: Sequence[Participant]) -> Manifest:
+    if spec.model:
+        return build_manifest(load_model_config(spec.model))
+    configs = [p.meta.model_config for p in sources if p.meta.model_config]
+    if not configs:
+        raise DiscoveryError(
+            "spec.model is not set and no source actor reports a model config (ws_init model_config)"
+        )
+    return build_manifest(configs[0])
+
+
+def discover_all(
+    spec: WeightSyncSpec,
+    manifest: Manifest | None,
+    timeout_s: float,
+) -> tuple[Manifest, list[DiscoveredSide], str]:
+    """Source first, then each destination; everything checked before a byte moves."""
+    try:
+        found = [gather(spec.source, timeout_s)] + [gather(d, timeout_s) for d in spec.destinations]
+        manifest = manifest or _manifest(spec, found[0])
+        roles = [Role.SOURCE] + [Role.DESTINATION] * len(spec.destinations)
+        refs = [spec.source, *spec.destinations]
+        sides = [
+            check_side(ref, role, ps, manifest) for ref, role, ps in zip(refs, roles, found, strict=True)
+        ]
+    except TopologyMismatchError as e:
+        raise StepFailed(
+            SyncFailure(reason="TopologyMismatch", message=str(e), step=SyncStep.DISCOVER)
+        ) from e
+    except (LayoutError, ModelConfigError) as e:
+        raise StepFailed(SyncFailure(reason="InvalidLayout", message=str(e), step=SyncStep.DISCOVER)) from e
+    except DiscoveryError as e:
+        raise StepFailed(SyncFailure(reason="DiscoveryFailed", message=str(e), step=SyncStep.DISCOVER)) from e
+    return manifest, sides, topology_digest(manifest, sides)

@@ -1,0 +1,332 @@
+"""The participant mixin a Ray actor includes to take part in syncs (`ws_*` remote methods).
+
+A participant holds one rank's shards and exposes the `ws_*` remote methods the coordinator
+drives: meta (coordinates and local tensors), join (the sync's single process group), run (its
+whole rank plan; the engine handles rounds), commit/abort (the collective decision), version,
+checksums. The mixin never decides anything collective; the coordinator does.
+
+Lockstep contract: within one sync every participant runs `ws_run` with the same plan digest
+and the same group generation; a participant refuses a plan whose digest differs from the one
+the coordinator announced, before any collective call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sync_runtime.core.layouts.base import LocalTensorMeta
+from sync_runtime.core.plan import RankPlan
+from sync_runtime.core.topology import RankCoord, Role
+from sync_runtime.schema.report import SyncStep
+from sync_runtime.transfer import DestinationWeights, RankResult, SyncGroup, TransferConfig, run_rank_plan
+from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
+
+PROGRESS_INTERVAL_S = 0.1
+"""Least time between two progress writes to the store (each is one round trip)."""
+
+
+class ParticipantError(RuntimeError):
+    """A participant was used out of order (not initialised, unknown plan, not a destination)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParticipantMeta:
+    """What a participant reports about itself (`ws_meta`); discovery checks it."""
+
+    role: Role
+    coord: RankCoord
+    layout: str
+    tensors: tuple[LocalTensorMeta, ...]
+    node_ip: str
+    device: str
+    pid: int
+    actor_name: str
+    actor_id: str
+    version: str | None
+    """Committed version of a destination; the source reports the version it holds, if any."""
+    group_name: str | None
+    group_healthy: bool
+    model_config: dict[str, Any] | None = field(default=None, compare=False)
+
+
+@dataclass(slots=True)
+class _State:
+    role: Role
+    coord: RankCoord
+    layout: str
+    tensors: dict[str, torch.Tensor]
+    destination: DestinationWeights | None
+    version: str | None
+    model_config: dict[str, Any] | None
+    group: SyncGroup | None = None
+    group_key: tuple[str, int, int] | None = None
+    plans: dict[str, RankPlan] = field(default_factory=dict)
+    progress: Any = None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """Digest of a tensor's raw bytes (bf16 viewed as 16-bit ints), for bit-exact checks."""
+    flat = t.detach().contiguous().cpu().reshape(-1)
+    if flat.dtype.itemsize == 2:
+        flat = flat.view(torch.int16)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+class WeightSyncParticipant:
+    """Mixin for a Ray actor that takes part in weight syncs. Call `ws_init` from `__init__`."""
+
+    _ws: _State | None = None
+
+    def ws_init(
+        self,
+        *,
+        role: Role | str,
+        coord: RankCoord,
+        layout: str,
+        tensors: Mapping[str, torch.Tensor],
+        version: str | None = None,
+        model_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Register this actor's shards. A destination's tensors become its committed weights."""
+        role = Role(role)
+        if coord.role is not role:
+            raise ParticipantError(f"coord.role={coord.role.value} disagrees with role={role.value}")
+        live = dict(tensors)
+        coord = _placed(coord, live)
+        dest = DestinationWeights(live, version or "") if role is Role.DESTINATION else None
+        self._ws = _State(
+            role=role,
+            coord=coord,
+            layout=layout,
+            tensors=live,
+            destination=dest,
+            version=version,
+            model_config=dict(model_config) if model_config is not None else None,
+        )
+
+    # ---- metadata -------------------------------------------------------------------------
+
+    def _ws_state(self) -> _State:
+        if self._ws is None:
+            raise ParticipantError(f"{type(self).__name__}: ws_init was never called")
+        return self._ws
+
+    def ws_meta(self) -> ParticipantMeta:
+        import ray
+
+        st = self._ws_state()
+        ctx = ray.get_runtime_context()
+        metas = tuple(
+            LocalTensorMeta(name=n, shape=tuple(t.shape), dtype=dtype_name(t.dtype))
+            for n, t in self._ws_live().items()
+        )
+        healthy = st.group is not None and bool(st.group.healthy)
+        return ParticipantMeta(
+            role=st.role,
+            coord=st.coord,
+            layout=st.layout,
+            tensors=metas,
+            node_ip=ray.util.get_node_ip_address(),
+            device=st.coord.device,
+            pid=os.getpid(),
+            actor_name=ctx.get_actor_name() or "",
+            actor_id=ctx.get_actor_id() or "",
+            version=self.ws_version(),
+            group_name=st.group_key[0] if st.group_key else None,
+            group_healthy=healthy,
+            model_config=st.model_config,
+        )
+
+    def _ws_live(self) -> dict[str, torch.Tensor]:
+        st = self._ws_state()
+        if st.destination is not None:
+            return dict(st.destination.tensors)
+        return st.tensors
+
+    def ws_version(self) -> str | None:
+        st = self._ws_state()
+        return st.destination.version if st.destination is not None else st.version
+
+    def ws_checksums(self) -> dict[str, str]:
+        """Per-tensor checksums of the committed weights (destination) or live tensors (source)."""
+        st = self._ws_state()
+        if st.destination is not None:
+            return dict(st.destination.checksums())
+        return {name: hex_digest(checksum_tensor(t)) for name, t in sorted(st.tensors.items())}
+
+    def ws_sha256(self) -> dict[str, str]:
+        """sha256 of every live tensor's bytes: lets a checker verify without moving the bytes."""
+        return {name: tensor_sha256(t) for name, t in self._ws_live().items()}
+
+    def ws_tensor(self, name: str) -> torch.Tensor:
+        """A CPU copy of one live tensor (verification, dumps)."""
+        live = self._ws_live()
+        if name not in live:
+            raise ParticipantError(f"no tensor {name!r} on {self._ws_state().coord}")
+        return live[name].detach().cpu().clone()
+
+    # ---- process group --------------------------------------------------------------------
+
+    def ws_join(
+        self,
+        store_host: str,
+        store_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        group_name: str,
+    ) -> bool:
+        """Join (or keep) the sync process group. Returns True when an existing group was reused."""
+        st = self._ws_state()
+        key = (group_name, rank, world_size)
+        if st.group is not None and st.group_key == key and st.group.healthy:
+            return True
+        self.ws_leave()
+        st.group = SyncGroup.connect(
+            store_host=store_host,
+            store_port=store_port,
+            rank=rank,
+            world_size=world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+            group_name=group_name,
+        )
+        st.group_key = key
+        st.progress = _ProgressWriter(store_host, store_port, group_name, rank, timeout_s)
+        st.plans.clear()
+        return False
+
+    def ws_leave(self) -> None:
+        st = self._ws_state()
+        if st.group is not None:
+            try:
+                st.group.close()
+            finally:
+                st.group, st.group_key, st.progress = None, None, None
+                st.plans.clear()
+
+    # ---- one sync -------------------------------------------------------------------------
+
+    def ws_run(
+        self,
+        plan: RankPlan | str,
+        digest: str,
+        version: str,
+        config: TransferConfig,
+    ) -> RankResult:
+        """Run this rank's whole plan for `version`. `plan` may be the digest of a plan sent before.
+
+        Never raises for transfer failures: the result carries the error and the step, so the
+        coordinator can make the collective decision.
+        """
+        st = self._ws_state()
+        rank = st.group_key[1] if st.group_key else -1
+        started = time.monotonic()
+        try:
+            rank_plan = self._ws_resolve_plan(plan, digest, rank)
+            if st.destination is not None:
+                st.destination.begin(version)
+            return run_rank_plan(
+                st.group,
+                rank_plan,
+                sources=st.tensors if st.destination is None else None,
+                destination=st.destination,
+                config=config,
+                on_progress=self._ws_progress,
+            )
+        except Exception as e:  # the coordinator needs a result, not a dead call
+            return RankResult(
+                rank=rank,
+                ok=False,
+                send_bytes=0,
+                recv_bytes=0,
+                seconds=time.monotonic() - started,
+                error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}",
+                step=SyncStep.TRANSFER.value,
+            )
+
+    def _ws_resolve_plan(self, plan: RankPlan | str, digest: str, rank: int) -> RankPlan:
+        st = self._ws_state()
+        if st.group is None:
+            raise ParticipantError("ws_run before ws_join: no process group")
+        if isinstance(plan, str):
+            if plan not in st.plans:
+                raise ParticipantError(f"plan {plan[:12]} is not cached on rank {rank}; send the plan")
+            plan = st.plans[plan]
+        if plan.digest != digest:
+            raise ParticipantError(f"plan digest {plan.digest[:12]} != announced {digest[:12]} (rank {rank})")
+        if plan.rank != rank:
+            raise ParticipantError(f"plan is for rank {plan.rank}, this participant joined as rank {rank}")
+        st.plans = {digest: plan}
+        return plan
+
+    def _ws_progress(self, done_bytes: int, total_bytes: int) -> None:
+        """Engine progress callback (after each round): a hook for subclasses, then the store."""
+        self.ws_on_progress(done_bytes, total_bytes)
+        st = self._ws_state()
+        if st.progress is not None:
+            st.progress.maybe_write(done_bytes, total_bytes)
+
+    def ws_on_progress(self, done_bytes: int, total_bytes: int) -> None:
+        """Called inside `ws_run` after each completed round (bytes sent + received so far)."""
+
+    def ws_commit(self, version: str) -> str | None:
+        st = self._ws_state()
+        if st.destination is None:
+            st.version = version
+            return version
+        # The staging was begun for exactly the version the coordinator commits (ws_run), so a
+        # mismatch here is a coordinator bug; DestinationWeights refuses a commit without begin.
+        return st.destination.commit()
+
+    def ws_abort(self) -> str | None:
+        st = self._ws_state()
+        if st.destination is not None:
+            st.destination.abort()
+        return self.ws_version()
+
+
+def _placed(coord: RankCoord, tensors: Mapping[str, torch.Tensor]) -> RankCoord:
+    """Fill node and device from where the actor really runs, unless the user set them."""
+    import ray
+
+    default = RankCoord(role=coord.role)
+    node = coord.node if coord.node != default.node else ray.util.get_node_ip_address()
+    device = coord.device
+    if device == default.device and tensors:
+        device = str(next(iter(tensors.values())).device)
+    return dataclasses.replace(coord, node=node, device=device)
+
+
+class _ProgressWriter:
+    """Publishes this rank's progress to the coordinator's store, at most every PROGRESS_INTERVAL_S."""
+
+    def __init__(self, host: str, port: int, group_name: str, rank: int, timeout_s: float) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self._key = f"{group_name}/progress/{rank}"
+        self._last = 0.0
+
+    def maybe_write(self, done_bytes: int, total_bytes: int) -> None:
+        now = time.monotonic()
+        if now - self._last < PROGRESS_INTERVAL_S and done_bytes < total_bytes:
+            return
+        self._last = now
+        self._store.set(self._key, f"{done_bytes}/{total_bytes}")

@@ -1,0 +1,371 @@
+"""Typed models of the WeightSync custom resource (CRD `weightsyncs.weightsync.io`, v1alpha1).
+
+The operator and the runtime share these models and the runtime's report (report.py), nothing
+else. The wire format is camelCase; Python attributes are snake_case; the translation happens
+here, once (`WeightSyncSpec.model_validate(body["spec"])`, `WeightSyncStatus.model_validate(...)`).
+
+Spec rules the API server enforces with CEL (crds/weightsyncs.weightsync.io.yaml) are mirrored by
+`spec_problems()`, with the same messages, so the operator and offline tests see what
+`kubectl apply` would refuse. Status is split by writer: `status.runtime` (RuntimeStatus) belongs
+to the runtime pod, every other status field to the operator.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from sync_runtime.core.topology import ParallelSpec
+
+GROUP = "weightsync.io"
+VERSION = "v1alpha1"
+PLURAL = "weightsyncs"
+KIND = "WeightSync"
+SHORT_NAME = "ws"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+"""spec.version: a label-like token (commit, step number, tag), at most 63 characters."""
+MAX_DESTINATIONS = 16
+"""Bounds the CEL uniqueness rule's cost (quadratic in the list length)."""
+
+RAY_TOKEN_ENV_PREFIX = "WEIGHTSYNC_RAY_TOKEN_"
+
+
+def ray_token_env_name(deployment_index: int) -> str:
+    """Env var of the runtime pod holding a deployment's Ray auth token (from its secretKeyRef).
+
+    `deployment_index` is the position in `WeightSyncSpec.deployments()`: 0 is the source,
+    1..n are destinations[0..n-1]. The variable exists only when that deployment names an
+    `authSecretRef`; its value must never be logged or reported.
+    """
+    if deployment_index < 0:
+        raise ValueError(f"deployment_index={deployment_index}: must be >= 0")
+    return f"{RAY_TOKEN_ENV_PREFIX}{deployment_index}"
+
+
+class CrdModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+class SecretKeyRef(CrdModel):
+    name: str
+    key: str = "token"
+
+
+class Parallelism(CrdModel):
+    """Expected parallelism of a deployment; discovery checks the real actors against it."""
+
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    dp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    etp: int = Field(1, ge=1)
+    vpp: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1)
+    layer_counts: list[int] | None = None
+
+    @classmethod
+    def from_spec(cls, spec: ParallelSpec) -> Parallelism:
+        """The declared parallelism of a ParallelSpec (inverse of to_spec)."""
+        return cls(
+            tp=spec.tp,
+            pp=spec.pp,
+            dp=spec.dp,
+            ep=spec.ep,
+            etp=spec.etp,
+            vpp=spec.vpp,
+            replicas=spec.replicas,
+            layer_counts=list(spec.layer_counts) if spec.layer_counts else None,
+        )
+
+    def to_spec(self) -> ParallelSpec:
+        return ParallelSpec(
+            tp=self.tp,
+            pp=self.pp,
+            dp=self.dp,
+            ep=self.ep,
+            etp=self.etp,
+            vpp=self.vpp,
+            replicas=self.replicas,
+            layer_counts=tuple(self.layer_counts) if self.layer_counts else None,
+        )
+
+
+class DeploymentRef(CrdModel):
+    """Where a model deployment's participant actors live and how they are sharded."""
+
+    name: str
+    ray_address: str | None = None
+    """Ray cluster address (host:port of the GCS, or ray://host:10001)."""
+    ray_cluster: str | None = None
+    """A KubeRay RayCluster in the same namespace, resolved to its head service."""
+    ray_namespace: str = "weightsync"
+    actor_prefix: str
+    """Participants are the named Ray actors whose names start with this prefix."""
+    layout: Literal["megatron", "vllm", "hf"]
+    parallelism: Parallelism = Parallelism()
+    auth_secret_ref: SecretKeyRef | None = None
+    """Secret holding the Ray auth token; reaches the runtime only as a secretKeyRef env var."""
+
+
+def resolve_ray_address(ref: DeploymentRef, namespace: str) -> str:
+    """The address the runtime connects to for `ref`.
+
+    A `rayCluster` name is resolved by KubeRay's naming convention (head Service
+    `<cluster>-head-svc`, Ray Client port 10001) rather than by reading the RayCluster, so the
+    runtime needs no RBAC on KubeRay objects; a missing cluster shows up as a connect failure.
+    """
+    if ref.ray_address:
+        return ref.ray_address
+    if ref.ray_cluster:
+        return f"ray://{ref.ray_cluster}-head-svc.{namespace}.svc:10001"
+    raise ValueError(f"deployment {ref.name!r}: exactly one of rayAddress or rayCluster must be set")
+
+
+class Transport(CrdModel):
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    bucket_mb: int = Field(64, ge=1, le=4096)
+    staging_budget_mb: int = Field(512, ge=2, le=65536)
+    max_fan_in: int = Field(4, ge=1, le=64)
+    relay: Literal["off", "auto", "on"] = "off"
+    connect_timeout_seconds: int = Field(120, ge=1)
+    transfer_timeout_seconds: int = Field(300, ge=1)
+
+
+class RetryPolicy(CrdModel):
+    limit: int = Field(3, ge=0)
+    """How many times a dead runtime pod is replaced before the WeightSync is Failed."""
+    backoff_seconds: int = Field(10, ge=0)
+    max_backoff_seconds: int = Field(300, ge=0)
+
+
+class RuntimeOverrides(CrdModel):
+    image: str | None = None
+    resources: dict | None = None
+    service_account_name: str | None = None
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict] | None = None
+    env: list[dict] | None = None
+
+
+class WeightSyncSpec(CrdModel):
+    source: DeploymentRef
+    destinations: list[DeploymentRef] = Field(min_length=1)
+    version: str
+    model: str | None = None
+    """Preset name or path of a config.json inside the runtime image; None = read from the source actors."""
+    transport: Transport = Transport()
+    retry: RetryPolicy = RetryPolicy()
+    runtime: RuntimeOverrides = RuntimeOverrides()
+
+    def deployments(self) -> list[DeploymentRef]:
+        """Source first, then destinations: the index order of `ray_token_env_name`."""
+        return [self.source, *self.destinations]
+
+
+# ---- spec rules the schema's CEL also enforces (same messages) ----------------------------------
+
+MSG_ONE_ADDRESS = "exactly one of rayAddress or rayCluster must be set"
+MSG_UNIQUE_DESTINATIONS = "destination names must be unique"
+MSG_SOURCE_NAME_CLASH = "destination names must differ from the source name"
+MSG_SOURCE_LAYOUT = "source layout must be megatron or hf (vllm is destination-only)"
+MSG_DEST_LAYOUT = "destination layout must be vllm or hf (megatron is source-only)"
+MSG_SOURCE_EP = "source: ep must divide tp*dp"
+MSG_SOURCE_ETP = "source: ep*etp must divide tp*dp"
+MSG_SOURCE_REPLICAS = "source: replicas must be 1 (use dp for data-parallel copies)"
+MSG_DEST_EP = "destination: ep must be 1 or equal to tp (EP inside TP)"
+MSG_DEST_DP = "destination: dp must be 1 (use replicas for data-parallel engines)"
+MSG_DEST_ETP_VPP = "destination: etp and vpp must be 1"
+MSG_HF_SHAPE = "hf layout: pp, ep and vpp must be 1"
+MSG_VPP_MEGATRON = "vpp > 1 needs the megatron layout"
+MSG_LAYER_COUNTS = "layerCounts must have one entry per pipeline stage (pp)"
+MSG_BUCKET = "bucketMb must be at most stagingBudgetMb/2 (double buffering)"
+MSG_BACKOFF = "maxBackoffSeconds must be >= backoffSeconds"
+MSG_VERSION = f"version must match {VERSION_PATTERN}"
+
+
+def _deployment_problems(ref: DeploymentRef, where: str) -> list[str]:
+    p = ref.parallelism
+    out = []
+    if (ref.ray_address is None) == (ref.ray_cluster is None):
+        out.append(f"{where}: {MSG_ONE_ADDRESS}")
+    if p.layer_counts is not None and len(p.layer_counts) != p.pp:
+        out.append(f"{where}.parallelism: {MSG_LAYER_COUNTS}")
+    if ref.layout == "hf" and (p.pp, p.ep, p.vpp) != (1, 1, 1):
+        out.append(f"{where}: {MSG_HF_SHAPE}")
+    if p.vpp > 1 and ref.layout != "megatron":
+        out.append(f"{where}: {MSG_VPP_MEGATRON}")
+    return out
+
+
+def spec_problems(spec: WeightSyncSpec) -> list[str]:
+    """What the CRD's CEL rules refuse, each prefixed by the field path; [] for a valid spec.
+
+    The operator also calls this, so a CR that got past an older CRD still ends Degraded with
+    reason InvalidSpec rather than reaching the runtime.
+    """
+    out = _deployment_problems(spec.source, "spec.source")
+    src = spec.source.parallelism
+    if spec.source.layout == "vllm":
+        out.append(f"spec.source: {MSG_SOURCE_LAYOUT}")
+    if (src.tp * src.dp) % src.ep:
+        out.append(f"spec.source: {MSG_SOURCE_EP}")
+    if (src.tp * src.dp) % (src.ep * src.etp):
+        out.append(f"spec.source: {MSG_SOURCE_ETP}")
+    if src.replicas != 1:
+        out.append(f"spec.source: {MSG_SOURCE_REPLICAS}")
+    names = [d.name for d in spec.destinations]
+    if len(set(names)) != len(names):
+        out.append(f"spec.destinations: {MSG_UNIQUE_DESTINATIONS}")
+    if spec.source.name in names:
+        out.append(f"spec: {MSG_SOURCE_NAME_CLASH}")
+    for i, dest in enumerate(spec.destinations):
+        where, p = f"spec.destinations[{i}]", dest.parallelism
+        out += _deployment_problems(dest, where)
+        if dest.layout == "megatron":
+            out.append(f"{where}: {MSG_DEST_LAYOUT}")
+        if p.ep not in (1, p.tp):
+            out.append(f"{where}: {MSG_DEST_EP}")
+        if p.dp != 1:
+            out.append(f"{where}: {MSG_DEST_DP}")
+        if (p.etp, p.vpp) != (1, 1):
+            out.append(f"{where}: {MSG_DEST_ETP_VPP}")
+    if spec.transport.bucket_mb * 2 > spec.transport.staging_budget_mb:
+        out.append(f"spec.transport: {MSG_BUCKET}")
+    if spec.retry.max_backoff_seconds < spec.retry.backoff_seconds:
+        out.append(f"spec.retry: {MSG_BACKOFF}")
+    if not re.fullmatch(VERSION_PATTERN, spec.version):
+        out.append(f"spec.version: {MSG_VERSION}")
+    return out
+
+
+# ---- status --------------------------------------------------------------------------------------
+
+
+class StatusModel(BaseModel):
+    """Status is read back from the API: tolerate fields a newer writer added."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    CONNECTING = "Connecting"
+    SYNCING = "Syncing"
+    SYNCED = "Synced"
+    FAILED = "Failed"
+
+
+class RuntimePhase(StrEnum):
+    """What the runtime pod says it is doing (status.runtime.phase)."""
+
+    CONNECTING = "Connecting"
+    IDLE = "Idle"
+    SYNCING = "Syncing"
+    FAILED = "Failed"
+    """The runtime cannot work at all (e.g. the Ray cluster is unreachable); reason/message say why."""
+
+
+class ConditionType(StrEnum):
+    RUNTIME_READY = "RuntimeReady"
+    """The runtime pod runs and is connected to the deployments' Ray clusters."""
+    SYNCING = "Syncing"
+    """A sync of spec.version is requested or in progress."""
+    SYNCED = "Synced"
+    """status.syncedVersion == spec.version."""
+    DEGRADED = "Degraded"
+    """Something needs attention: failed sync, dead runtime, invalid spec, retries exhausted."""
+
+
+class Condition(StatusModel):
+    """metav1.Condition."""
+
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: datetime
+    observed_generation: int | None = None
+
+
+class SyncProgress(StatusModel):
+    version: str
+    step: str
+    done_bytes: int = 0
+    total_bytes: int = 0
+    round: int = 0
+    rounds: int = 0
+
+
+class FailureSummary(StatusModel):
+    reason: str
+    message: str = ""
+    rank: int | None = None
+    step: str | None = None
+
+
+class LastSync(StatusModel):
+    """Summary of the last finished sync's report (DESIGN 6)."""
+
+    version: str
+    result: Literal["Succeeded", "Failed"]
+    planned_bytes: int = 0
+    moved_bytes: int = 0
+    seconds: float = 0.0
+    throughput_bytes_per_second: float = 0.0
+    stages: dict[str, float] = {}
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    plan_cached: bool = False
+    failure: FailureSummary | None = None
+
+
+class RestartStatus(StatusModel):
+    """Runtime pod failures counted against spec.retry.limit (reset on spec changes and successes)."""
+
+    count: int = 0
+    last_failure_time: datetime | None = None
+    last_failed_pod_uid: str | None = None
+    last_failure_message: str | None = None
+    next_restart_time: datetime | None = None
+
+
+class RuntimeStatus(StatusModel):
+    """status.runtime: written only by the runtime pod, with JSON merge patches on /status."""
+
+    phase: RuntimePhase | None = None
+    version: str | None = None
+    """The version being synced (Syncing) or last handled."""
+    pod_name: str | None = None
+    pod_uid: str | None = None
+    """Lets the operator ignore what a replaced pod wrote last."""
+    reason: str | None = None
+    message: str | None = None
+    progress: SyncProgress | None = None
+    last_report: dict[str, Any] | None = None
+    """The full SyncReport (camelCase); parsed by the operator with report.SyncReport."""
+    heartbeat_time: datetime | None = None
+
+
+class WeightSyncStatus(StatusModel):
+    phase: Phase | None = None
+    observed_generation: int | None = None
+    conditions: list[Condition] = []
+    synced_version: str | None = None
+    last_sync: LastSync | None = None
+    progress: SyncProgress | None = None
+    runtime_pod: str | None = None
+    destinations: str | None = None
+    """Destination names, comma-separated: the Destinations printer column."""
+    topology_hash: str | None = None
+    restarts: RestartStatus = RestartStatus()
+    runtime: RuntimeStatus | None = None
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
