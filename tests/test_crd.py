@@ -62,6 +62,7 @@ def full_spec() -> dict:
         "actorPrefix": "v-",
         "layout": "vllm",
         "parallelism": {"tp": 2, "ep": 2, "replicas": 3},
+        "authSecretRef": {"name": "ray-token"},
     }
     return {
         "source": dep,
@@ -81,7 +82,6 @@ def full_spec() -> dict:
         "runtime": {
             "image": "img:1",
             "resources": {"limits": {"cpu": "2", "memory": "4Gi"}},
-            "serviceAccountName": "sa",
             "nodeSelector": {"pool": "cpu"},
             "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
             "env": [{"name": "X", "value": "1"}],
@@ -107,7 +107,7 @@ def test_every_field_parses_from_camel_case() -> None:
     assert (t.connect_timeout_seconds, t.transfer_timeout_seconds) == (30, 60)
     assert (spec.retry.limit, spec.retry.backoff_seconds, spec.retry.max_backoff_seconds) == (5, 2, 60)
     rt = spec.runtime
-    assert rt.service_account_name == "sa" and rt.node_selector == {"pool": "cpu"} and rt.image == "img:1"
+    assert rt.node_selector == {"pool": "cpu"} and rt.image == "img:1"
     assert spec_problems(spec) == []
     # Round trip: dumping by alias gives back what was written (where nothing was defaulted).
     dumped, written = spec.model_dump(by_alias=True, exclude_none=True), full_spec()
@@ -247,6 +247,10 @@ def test_topology_transition_rule_present(schema: dict) -> None:
         (
             {"destinations": [{"name": "a", "rayAddress": "x", "actorPrefix": "p", "layout": "vllm"}] * 2},
             crd.MSG_UNIQUE_DESTINATIONS,
+        ),
+        (
+            {"destinations": [{"name": "a", "rayAddress": "x", "actorPrefix": "p", "layout": "vllm"}]},
+            crd.MSG_RAY_AUTH,
         ),
         ({"transport": {"bucketMb": 300, "stagingBudgetMb": 512}}, crd.MSG_BUCKET),
         ({"retry": {"backoffSeconds": 10, "maxBackoffSeconds": 5}}, crd.MSG_BACKOFF),

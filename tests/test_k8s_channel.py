@@ -237,3 +237,28 @@ def test_desired_changed_and_read_status() -> None:
 
     status = k8s.read_status("ns", "ws", api=Api())
     assert isinstance(status, WeightSyncStatus) and status.synced_version == "v7"
+
+
+TRACEBACK = """loading plan
+Traceback (most recent call last):
+  File "/opt/venv/lib/python3.12/site-packages/sync_runtime/runtime/loop.py", line 12, in run
+    secret = open("/var/run/secrets/token").read()
+  File "/opt/venv/lib/python3.12/site-packages/x.py", line 3, in f
+    raise ValueError(f"bad token {secret}")
+ValueError: plan digest mismatch"""
+
+
+def test_a_traceback_never_reaches_status_runtime() -> None:
+    """Status carries reason and the exception's last line; the traceback stays in the pod's log."""
+    rt = k8s.phase_patch(RuntimePhase.FAILED, T0, reason="PlanRefused", message=TRACEBACK)["status"][
+        "runtime"
+    ]
+    assert rt["message"] == "ValueError: plan digest mismatch (details in the runtime's log)"
+    failed = report(ok=False).model_copy(
+        update={"failure": SyncFailure(reason="TransferTimeout", message=TRACEBACK, rank=1)}
+    )
+    msg = k8s.finished_patch(failed, T0)["status"]["runtime"]["lastReport"]["failure"]["message"]
+    assert "Traceback" not in msg and 'File "' not in msg and "/var/run/secrets" not in msg
+    # Plain messages pass unchanged.
+    plain = k8s.phase_patch(RuntimePhase.FAILED, T0, reason="R", message="connection refused")
+    assert plain["status"]["runtime"]["message"] == "connection refused"

@@ -155,14 +155,13 @@ def test_defaults_and_overrides() -> None:
     s = spec(
         runtime={
             "image": "mine:2",
-            "serviceAccountName": "own",
             "nodeSelector": {"pool": "a"},
             "tolerations": [{"key": "k", "operator": "Exists"}],
             "resources": {"limits": {"cpu": "2"}},
         }
     )
     pod = render(s)
-    assert pod["spec"]["containers"][0]["image"] == "mine:2" and pod["spec"]["serviceAccountName"] == "own"
+    assert pod["spec"]["containers"][0]["image"] == "mine:2" and pod["spec"]["serviceAccountName"] == "ws-rt"
     assert pod["spec"]["nodeSelector"] == {"pool": "a"} and pod["spec"]["tolerations"] == [
         {"key": "k", "operator": "Exists"}
     ]
@@ -249,7 +248,7 @@ def test_config_from_env() -> None:
             "WEIGHTSYNC_BIND_ADDRESS": "127.0.0.1",
         }
     )
-    assert cfg.bind_address == "127.0.0.1" and OperatorConfig.from_env({}).bind_address == "0.0.0.0"
+    assert cfg.bind_address == "127.0.0.1" and OperatorConfig.from_env({}).bind_address == "127.0.0.1"
     assert cfg.runtime.image == "img:9" and cfg.runtime.image_pull_secrets == ("a", "b")
     assert cfg.runtime.env == ({"name": "A", "value": "1"},) and cfg.metrics_port == 9090
     assert cfg.reconcile_interval_seconds == 2.5

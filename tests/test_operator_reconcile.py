@@ -18,10 +18,19 @@ from weightsync_operator.reconcile import reconcile
 from sync_runtime.schema.crd import WeightSyncSpec
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
+AUTH = {"name": "ray-token"}
 SPEC = {
     "version": "v1",
-    "source": {"name": "s", "rayAddress": "a", "actorPrefix": "t-", "layout": "megatron"},
-    "destinations": [{"name": "d", "rayAddress": "a", "actorPrefix": "v-", "layout": "vllm"}],
+    "source": {
+        "name": "s",
+        "rayAddress": "a",
+        "actorPrefix": "t-",
+        "layout": "megatron",
+        "authSecretRef": AUTH,
+    },
+    "destinations": [
+        {"name": "d", "rayAddress": "a", "actorPrefix": "v-", "layout": "vllm", "authSecretRef": AUTH}
+    ],
     "retry": {"limit": 1, "backoffSeconds": 5, "maxBackoffSeconds": 5},
 }
 

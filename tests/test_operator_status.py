@@ -255,3 +255,15 @@ def test_status_patch_is_none_when_nothing_changed_and_nulls_removed_fields() ->
     patch = status_patch(done, stored)
     assert patch is not None and patch["progress"] is None and "runtime" not in patch
     assert patch["syncedVersion"] == "v2" and patch["conditions"][0]["lastTransitionTime"].endswith("Z")
+
+
+def test_no_traceback_reaches_conditions_or_restart_messages() -> None:
+    """Pod termination messages are the log tail (FallbackToLogsOnError): often a traceback."""
+    from sync_runtime.schema.crd import public_message
+
+    tb = "Traceback (most recent call last):\n  File \"/x.py\", line 1, in <module>\n    f()\nKeyError: 'k'"
+    (c,) = merge_conditions([], [ConditionUpdate("Degraded", "True", "PodFailed", tb)], T0, 1)
+    assert c.message == "KeyError: 'k' (details in the runtime's log)"
+    only_frames = 'Traceback (most recent call last):\n  File "/x.py", line 1, in <module>'
+    assert public_message(only_frames) == "failed (details in the runtime's log)"
+    assert public_message("x" * 10_000) == "x" * 4096

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from sync_runtime.schema.crd import Condition
+from sync_runtime.schema.crd import Condition, public_message
 
 _REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 MAX_MESSAGE = 32768
@@ -43,7 +43,8 @@ def merge_conditions(
                 type=u.type,
                 status=u.status,
                 reason=u.reason,
-                message=u.message[:MAX_MESSAGE],
+                # Every condition message passes here: no traceback reaches status.
+                message=public_message(u.message)[:MAX_MESSAGE],
                 last_transition_time=now if flipped else before.last_transition_time,  # type: ignore[union-attr]
                 observed_generation=generation,
             )

@@ -19,7 +19,7 @@ from typing import Any
 
 import kopf
 
-from sync_runtime.schema.crd import GROUP, PLURAL, VERSION
+from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, public_message
 from weightsync_operator.config import OperatorConfig
 from weightsync_operator.kube import KubePodApi, load_config
 from weightsync_operator.metrics import Metrics
@@ -79,6 +79,6 @@ def _run(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, index: kopf.Index)
             if event.key in seen:
                 continue
             seen[:] = [*seen, event.key][-MAX_REMEMBERED_EVENTS:]
-            kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+            kopf.event(body, type=event.type, reason=event.reason, message=public_message(event.message))
             if event.result is not None:
                 memo.metrics.observe_sync(event.result, event.seconds, event.moved_bytes)

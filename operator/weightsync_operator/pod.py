@@ -107,7 +107,8 @@ def render_runtime_pod(
     pod_spec: dict[str, Any] = {
         # The operator replaces dead pods itself, with backoff and a retry limit (spec.retry).
         "restartPolicy": "Never",
-        "serviceAccountName": rt.service_account_name or defaults.service_account_name,
+        # The installer's account (chart), never the author's: spec.runtime has no such field.
+        "serviceAccountName": defaults.service_account_name,
         "automountServiceAccountToken": True,
         "enableServiceLinks": False,
         "securityContext": {

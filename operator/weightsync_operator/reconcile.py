@@ -16,7 +16,9 @@ from pydantic import ValidationError
 
 from sync_runtime.schema.crd import WeightSyncSpec, WeightSyncStatus, spec_problems
 from sync_runtime.schema.report import SyncResult
-from weightsync_operator.config import OperatorConfig
+from weightsync_operator.config import OperatorConfig, RuntimeDefaults
+from weightsync_operator.overrides import REASON as OVERRIDE_REFUSED
+from weightsync_operator.overrides import override_problems
 from weightsync_operator.pod import PodState, render_runtime_pod, topology_hash
 from weightsync_operator.retry import PodAction, PodDecision, plan_pod
 from weightsync_operator.status import SyncEvent, derive_status, parse_report, status_patch
@@ -49,6 +51,26 @@ def parse_spec(body: Mapping[str, Any]) -> tuple[WeightSyncSpec | None, str | No
     return (None, "; ".join(problems)) if problems else (spec, None)
 
 
+def judge_spec(
+    body: Mapping[str, Any], defaults: RuntimeDefaults
+) -> tuple[WeightSyncSpec | None, str | None, str]:
+    """parse_spec, then the installer's allowlist: (spec or None, why not, condition reason)."""
+    spec, error = parse_spec(body)
+    if spec is None:
+        return None, error, "InvalidSpec"
+    refused = override_problems(spec, defaults)
+    return (None, "; ".join(refused), OVERRIDE_REFUSED) if refused else (spec, None, "InvalidSpec")
+
+
+def unauthenticated_ray_event(spec: WeightSyncSpec | None, generation: int | None) -> list[SyncEvent]:
+    """The author opted out of Ray token auth: say so where everyone watching the CR sees it."""
+    if spec is None or not spec.allow_unauthenticated_ray:
+        return []
+    unauth = [d.name for d in spec.deployments() if d.auth_secret_ref is None]
+    msg = f"allowUnauthenticatedRay: {', '.join(unauth) or 'no deployment'} connect(s) without a Ray token"
+    return [SyncEvent("Warning", "UnauthenticatedRay", msg, key=f"noauth/{generation}")]
+
+
 def _succeeded_since_failure(prior: WeightSyncStatus) -> bool:
     """A sync succeeded after the last runtime failure: the retry budget starts over."""
     report = parse_report(prior.runtime)
@@ -67,7 +89,7 @@ def reconcile(
     meta = body.get("metadata") or {}
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation")
     prior = WeightSyncStatus.model_validate(body.get("status") or {})
-    spec, spec_error = parse_spec(body)
+    spec, spec_error, spec_reason = judge_spec(body, config.runtime)
     desired_hash = topology_hash(spec) if spec is not None else None
     pod_error: str | None = None
     if spec is None or desired_hash is None:
@@ -84,7 +106,7 @@ def reconcile(
                 lambda: render_runtime_pod(name, namespace, meta["uid"], spec, config.runtime),
             )
         except Exception as e:  # the API's refusal goes into status instead of a crash loop of the handler
-            log.warning("runtime pod of %s/%s: %s", namespace, name, e)
+            log.warning("runtime pod of %s/%s: %s", namespace, name, e, exc_info=True)
             pod_error = str(e) or type(e).__name__
     status, events = derive_status(
         spec,
@@ -98,7 +120,9 @@ def reconcile(
         desired_hash=desired_hash,
         ws_name=name,
         pod_error=pod_error,
+        spec_reason=spec_reason,
     )
+    events = unauthenticated_ray_event(spec, generation) + events
     return ReconcileResult(status_patch(status, body.get("status")), events, decision)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from sync_runtime.schema.crd import RestartStatus, RetryPolicy
+from sync_runtime.schema.crd import RestartStatus, RetryPolicy, public_message
 from weightsync_operator.pod import PodPhase, PodState
 
 
@@ -112,5 +112,6 @@ def _next(restarts: RestartStatus, at: datetime | None) -> RestartStatus:
 
 def _failure_message(pod: PodState) -> str:
     code = "" if pod.exit_code is None else f" with code {pod.exit_code}"
-    detail = f": {pod.message.strip()[-512:]}" if pod.message else ""
+    # The termination message is the log tail (FallbackToLogsOnError): often a traceback.
+    detail = f": {public_message(pod.message.strip())[-512:]}" if pod.message else ""
     return f"runtime pod {pod.name} exited{code}{detail}"

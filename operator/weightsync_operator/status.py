@@ -22,6 +22,7 @@ from sync_runtime.schema.crd import (
     RuntimeStatus,
     WeightSyncSpec,
     WeightSyncStatus,
+    public_message,
 )
 from sync_runtime.schema.report import SyncReport, SyncResult
 from weightsync_operator.conditions import ConditionUpdate, merge_conditions, safe_reason
@@ -59,8 +60,9 @@ def summarize(report: SyncReport) -> LastSync:
     failure = None
     if report.failure is not None:
         f = report.failure
+        # The CR status shape (crd.FailureSummary): what the status schema declares of the failure.
         failure = FailureSummary(
-            reason=f.reason, message=f.message, rank=f.rank, step=f.step and f.step.value
+            reason=f.reason, message=public_message(f.message), rank=f.rank, step=f.step and f.step.value
         )
     return LastSync(
         version=report.version,
@@ -115,6 +117,8 @@ class _Facts:
     spec_error: str | None
     pod_name: str
     pod_error: str | None = None
+    spec_reason: str = "InvalidSpec"
+    """Why the spec cannot be used: InvalidSpec, or RuntimeOverrideRefused (the installer's allowlist)."""
 
     @property
     def sync_failed(self) -> bool:
@@ -148,7 +152,7 @@ def _phase(x: _Facts) -> Phase:
 def _runtime_ready(x: _Facts) -> ConditionUpdate:
     c, pod = ConditionType.RUNTIME_READY, x.pod
     if x.spec_error:
-        return ConditionUpdate(c, F, "InvalidSpec", x.spec_error)
+        return ConditionUpdate(c, F, x.spec_reason, x.spec_error)
     if x.decision.give_up:
         return ConditionUpdate(c, F, "RetryLimitExceeded", x.decision.restarts.last_failure_message or "")
     if x.pod_error:
@@ -217,7 +221,7 @@ def _synced(x: _Facts) -> ConditionUpdate:
 def _degraded(x: _Facts) -> ConditionUpdate:
     c, r = ConditionType.DEGRADED, x.decision.restarts
     if x.spec_error:
-        return ConditionUpdate(c, T, "InvalidSpec", x.spec_error)
+        return ConditionUpdate(c, T, x.spec_reason, x.spec_error)
     if x.decision.give_up:
         msg = f"runtime pod failed {r.count} times (retry.limit exhausted): {r.last_failure_message or ''}"
         return ConditionUpdate(c, T, "RetryLimitExceeded", msg)
@@ -305,6 +309,7 @@ def derive_status(
     desired_hash: str | None = None,
     ws_name: str = "",
     pod_error: str | None = None,
+    spec_reason: str = "InvalidSpec",
 ) -> tuple[WeightSyncStatus, list[SyncEvent]]:
     """The operator-owned status and the events this change warrants.
 
@@ -332,6 +337,7 @@ def derive_status(
         spec_error,
         pod_name,
         pod_error,
+        spec_reason,
     )
     updates = [_runtime_ready(x), _syncing(x), _synced(x), _degraded(x)]
     progress = live.progress if x.syncing and live is not None else None

@@ -7,7 +7,8 @@ phase, conditions, syncedVersion and lastSync from it. Pod identity (POD_NAME/PO
 the operator through the downward API) goes into every patch so the operator can ignore what a
 replaced pod wrote last.
 
-Patch bodies are built by pure functions (`progress_patch`, `finished_patch`, `phase_patch`).
+Patch bodies are built by pure functions (`progress_patch`, `finished_patch`, `phase_patch`);
+messages pass `crd.public_message`, so a traceback reaches the log only, never status.
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, RuntimePhase, WeightSyncSpec, WeightSyncStatus
+from sync_runtime.schema.crd import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    RuntimePhase,
+    WeightSyncSpec,
+    WeightSyncStatus,
+    public_message,
+)
 from sync_runtime.schema.report import ProgressEvent, SyncReport
 
 log = logging.getLogger("weightsync.k8s")
@@ -72,6 +81,9 @@ def report_json(report: SyncReport) -> dict[str, Any]:
     (e.g. the failure of a failed sync once a later one succeeds).
     """
     data = report.model_dump(by_alias=True, mode="json")
+    if data.get("failure"):
+        # Tracebacks stay in the pod's log; status carries the failure's reason and last line.
+        data["failure"]["message"] = public_message(data["failure"].get("message"))
     data["startedAt"], data["finishedAt"] = _stamp(report.started_at), _stamp(report.finished_at)
     return data
 
@@ -100,7 +112,8 @@ def phase_patch(
     pod_name: str | None = None,
     pod_uid: str | None = None,
 ) -> dict:
-    fields: dict[str, Any] = {"phase": phase.value, "reason": reason, "message": message}
+    text = public_message(message) if message is not None else None
+    fields: dict[str, Any] = {"phase": phase.value, "reason": reason, "message": text}
     if version is not None:
         fields["version"] = version
     if phase is not RuntimePhase.SYNCING:

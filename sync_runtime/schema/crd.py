@@ -146,9 +146,11 @@ class RetryPolicy(CrdModel):
 
 
 class RuntimeOverrides(CrdModel):
+    """What a WeightSync author may set on its runtime pod; the operator checks image and env
+    against its installer's allowlist. The ServiceAccount is never the author's to choose."""
+
     image: str | None = None
     resources: dict | None = None
-    service_account_name: str | None = None
     node_selector: dict[str, str] | None = None
     tolerations: list[dict] | None = None
     env: list[dict] | None = None
@@ -163,6 +165,8 @@ class WeightSyncSpec(CrdModel):
     transport: Transport = Transport()
     retry: RetryPolicy = RetryPolicy()
     runtime: RuntimeOverrides = RuntimeOverrides()
+    allow_unauthenticated_ray: bool = False
+    """Accept deployments without authSecretRef (the operator posts a Warning Event)."""
 
     def deployments(self) -> list[DeploymentRef]:
         """Source first, then destinations: the index order of `ray_token_env_name`."""
@@ -188,6 +192,9 @@ MSG_LAYER_COUNTS = "layerCounts must have one entry per pipeline stage (pp)"
 MSG_BUCKET = "bucketMb must be at most stagingBudgetMb/2 (double buffering)"
 MSG_BACKOFF = "maxBackoffSeconds must be >= backoffSeconds"
 MSG_VERSION = f"version must match {VERSION_PATTERN}"
+MSG_RAY_AUTH = (
+    "every deployment needs authSecretRef (Ray token authentication) unless allowUnauthenticatedRay is true"
+)
 
 
 def _deployment_problems(ref: DeploymentRef, where: str) -> list[str]:
@@ -242,7 +249,32 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
         out.append(f"spec.retry: {MSG_BACKOFF}")
     if not re.fullmatch(VERSION_PATTERN, spec.version):
         out.append(f"spec.version: {MSG_VERSION}")
+    if not spec.allow_unauthenticated_ray and any(d.auth_secret_ref is None for d in spec.deployments()):
+        out.append(f"spec: {MSG_RAY_AUTH}")
     return out
+
+
+# ---- what may reach status and Events ------------------------------------------------------------
+
+_TRACEBACK_LINE = re.compile(r'^\s*(Traceback \(most recent call last\):|File ".*", line \d+)', re.MULTILINE)
+MAX_PUBLIC_MESSAGE = 4096
+TRACEBACK_NOTE = " (details in the runtime's log)"
+
+
+def public_message(text: str | None) -> str:
+    """`text` fit for status and Events: a reason's message, never a traceback.
+
+    Status and Events are readable by everyone who can read the WeightSync, and tracebacks carry
+    paths, locals and library internals; they belong in the pod's log. A message that looks like a
+    traceback is cut to its last line (the exception itself), and every message to 4 KB.
+    """
+    if not text:
+        return ""
+    if _TRACEBACK_LINE.search(text):
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        last = next((ln for ln in reversed(lines) if not _TRACEBACK_LINE.match(ln)), "")
+        text = (last[: MAX_PUBLIC_MESSAGE - len(TRACEBACK_NOTE)] if last else "failed") + TRACEBACK_NOTE
+    return text[:MAX_PUBLIC_MESSAGE]
 
 
 # ---- status --------------------------------------------------------------------------------------
@@ -304,6 +336,11 @@ class SyncProgress(StatusModel):
 
 
 class FailureSummary(StatusModel):
+    """`status.lastSync.failure`: the CR status shape of a SyncFailure, the fields the CRD's status
+    schema declares (tensor and peer are not in it yet; the API server would prune them). Kept
+    apart from SyncFailure because status is read back tolerantly (`StatusModel`), while the
+    report's SyncFailure refuses unknown fields."""
+
     reason: str
     message: str = ""
     rank: int | None = None
