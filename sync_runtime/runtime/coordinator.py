@@ -310,7 +310,11 @@ class Coordinator:
             self._session.group_name = self._group_name(self._session.plan)
 
     def _group_name(self, plan: SyncPlan) -> str:
-        return f"ws-{plan.digest[:10]}-{self._instance}-g{self._generation}"
+        # Every store key lives under this name: the random part keeps a client that can reach the
+        # store's port but was not handed the name (over the Ray connection) out of the sync's keys.
+        import secrets
+
+        return f"ws-{plan.digest[:10]}-{self._instance}-g{self._generation}-{secrets.token_hex(16)}"
 
     def _ensure_store(self) -> tuple[str, int]:
         from datetime import timedelta
@@ -319,9 +323,18 @@ class Coordinator:
 
         host = self.advertise_host or os.environ.get("POD_IP") or ray.util.get_node_ip_address()
         if self._store is None:
+            import socket
+
             timeout = timedelta(seconds=self.spec.transport.connect_timeout_seconds)
-            # Port 0: the OS picks a free port; the store listens on every interface.
-            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+            # TCPStore's master listens on every interface whatever `host` says; a socket bound to
+            # the advertised address (port 0: the OS picks) and handed over keeps it off the others.
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            listener = socket.create_server((host, 0), family=family, backlog=1024)
+            port = listener.getsockname()[1]
+            fd = listener.detach()  # the store owns the fd from here on
+            self._store = dist.TCPStore(
+                host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
+            )
         return host, self._store.port
 
     def _meta_timeout(self) -> float:
