@@ -34,4 +34,4 @@ COPY --from=build /opt/venv /opt/venv
 USER 10001:10001
 WORKDIR /tmp
 EXPOSE 8080 8081
-CMD ["kopf", "run", "-m", "weightsync_operator", "--standalone", "--all-namespaces", "--liveness=http://0.0.0.0:8081/healthz"]
+CMD ["kopf", "run", "-m", "weightsync_operator", "--standalone", "--all-namespaces", "--liveness=http://127.0.0.1:8081/healthz"]

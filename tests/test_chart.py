@@ -115,13 +115,18 @@ def test_default_values_cluster_wide(helm: str) -> None:
         "--standalone",
     ]
     assert "--all-namespaces" in container["args"]
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["WEIGHTSYNC_RUNTIME_IMAGE"] == "ghcr.io/weightsync/weightsync:0.1.0"
     assert (
         env["WEIGHTSYNC_RUNTIME_SERVICE_ACCOUNT"] == "weightsync-runtime"
         and env["WEIGHTSYNC_METRICS_PORT"] == "8080"
-        and env["WEIGHTSYNC_BIND_ADDRESS"] == "0.0.0.0"
+        and env["WEIGHTSYNC_BIND_ADDRESS"] == "$(POD_IP)"  # the pod IP, not every interface
     )
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+    assert "--liveness=http://$(POD_IP):8081/healthz" in container["args"]
+    assert env["WEIGHTSYNC_RUNTIME_ALLOWED_IMAGES"] == ""  # only the default runtime image
+    assert env["WEIGHTSYNC_RUNTIME_ALLOWED_ENV_SOURCES"] == "fieldRef,resourceFieldRef"
+    assert env["WEIGHTSYNC_RUNTIME_DENIED_ENV_PREFIXES"] == "KUBERNETES_,LD_,PYTHON,WEIGHTSYNC_"
     assert {"name": "metrics", "containerPort": 8080} in container["ports"]
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8080"
     assert pod["securityContext"]["runAsNonRoot"] and container["securityContext"]["readOnlyRootFilesystem"]
@@ -161,11 +166,57 @@ def test_runtime_namespaces_and_test_overrides(helm: str) -> None:
     assert runtime_ns == {"a", "b"}
     container = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["/venv/bin/kopf"] and "livenessProbe" not in container
-    env = {e["name"]: e["value"] for e in container["env"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
     assert (
         env["KUBECONFIG"] == "/kc"
         and env["WEIGHTSYNC_RUNTIME_ENV"] == '[{"name":"PATH","value":"/venv/bin"}]'
     )
+
+
+@pytest.mark.parametrize(
+    "sets", [(), ("watchNamespace=team-a",), ("runtime.namespaces={a,b}", "networkPolicy.enabled=true")]
+)
+def test_no_wildcard_verbs_or_resources(helm: str, sets: tuple[str, ...]) -> None:
+    """Every permission the chart grants is named: no '*' verb, resource, API group or name."""
+    docs = render(helm, *sets)
+    roles = by_kind(docs, "Role") + by_kind(docs, "ClusterRole")
+    assert roles
+    for role in roles:
+        for rule in role["rules"]:
+            for key in ("verbs", "resources", "apiGroups", "resourceNames", "nonResourceURLs"):
+                assert not any("*" in v for v in rule.get(key, [])), (role["metadata"]["name"], rule)
+    for binding in by_kind(docs, "RoleBinding") + by_kind(docs, "ClusterRoleBinding"):
+        assert binding["roleRef"]["name"] not in ("cluster-admin", "admin", "edit"), binding
+
+
+def test_runtime_status_policy_pins_the_token_to_its_weightsync(helm: str) -> None:
+    docs = render(helm)
+    (vap,) = by_kind(docs, "ValidatingAdmissionPolicy")
+    (binding,) = by_kind(docs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"] == {"policyName": vap["metadata"]["name"], "validationActions": ["Deny"]}
+    assert vap["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["weightsyncs/status"]
+    (cond,) = vap["spec"]["matchConditions"]
+    assert cond["expression"].endswith("':weightsync-runtime'")
+    (rule,) = vap["spec"]["validations"]
+    assert (
+        "object.metadata.name + '-runtime'" in rule["expression"] and vap["spec"]["failurePolicy"] == "Fail"
+    )
+    assert by_kind(render(helm, "runtime.statusPolicy.enabled=false"), "ValidatingAdmissionPolicy") == []
+
+
+def test_network_policy_is_off_by_default_and_admits_members_only(helm: str) -> None:
+    assert by_kind(render(helm), "NetworkPolicy") == []
+    docs = render(helm, "networkPolicy.enabled=true", "runtime.namespaces={a,b}")
+    policies = by_kind(docs, "NetworkPolicy")
+    assert {p["metadata"]["namespace"] for p in policies} == {"a", "b"}
+    spec = policies[0]["spec"]
+    assert spec["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "weightsync-runtime"}}
+    assert spec["policyTypes"] == ["Ingress"]
+    (ingress,) = spec["ingress"]
+    participants, operator = ingress["from"]
+    assert participants == {"podSelector": {"matchLabels": {"ray.io/is-ray-node": "yes"}}}
+    assert operator["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": "ws-system"}}
+    assert operator["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "weightsync-operator"
 
 
 def value_lines(lines: list[str]) -> dict[str, int]:
