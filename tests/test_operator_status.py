@@ -259,7 +259,7 @@ def test_status_patch_is_none_when_nothing_changed_and_nulls_removed_fields() ->
 
 def test_no_traceback_reaches_conditions_or_restart_messages() -> None:
     """Pod termination messages are the log tail (FallbackToLogsOnError): often a traceback."""
-    from sync_runtime.schema.crd import public_message
+    from sync_runtime.schema.public import public_message
 
     tb = "Traceback (most recent call last):\n  File \"/x.py\", line 1, in <module>\n    f()\nKeyError: 'k'"
     (c,) = merge_conditions([], [ConditionUpdate("Degraded", "True", "PodFailed", tb)], T0, 1)

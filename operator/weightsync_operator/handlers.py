@@ -19,7 +19,8 @@ from typing import Any
 
 import kopf
 
-from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, public_message
+from sync_runtime.schema.crd import GROUP, PLURAL, VERSION
+from sync_runtime.schema.public import public_message
 from weightsync_operator.config import OperatorConfig
 from weightsync_operator.kube import KubePodApi, load_config
 from weightsync_operator.metrics import Metrics

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from sync_runtime.schema.crd import RestartStatus, RetryPolicy, public_message
+from sync_runtime.schema.crd import RestartStatus, RetryPolicy
+from sync_runtime.schema.public import public_message
 from weightsync_operator.pod import PodPhase, PodState
 
 

@@ -22,8 +22,8 @@ from sync_runtime.schema.crd import (
     RuntimeStatus,
     WeightSyncSpec,
     WeightSyncStatus,
-    public_message,
 )
+from sync_runtime.schema.public import public_message
 from sync_runtime.schema.report import SyncReport, SyncResult
 from weightsync_operator.conditions import ConditionUpdate, merge_conditions, safe_reason
 from weightsync_operator.pod import PodPhase, PodState, runtime_pod_name

@@ -30,8 +30,8 @@ from sync_runtime.schema.crd import (
     RuntimePhase,
     WeightSyncSpec,
     WeightSyncStatus,
-    public_message,
 )
+from sync_runtime.schema.public import public_message
 from sync_runtime.schema.report import ProgressEvent, SyncReport
 
 log = logging.getLogger("weightsync.k8s")
