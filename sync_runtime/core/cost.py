@@ -61,11 +61,10 @@ class BucketArrays:
 
 def bucket_arrays(plan: SyncPlan) -> BucketArrays:
     nodes = [c.node for c in plan.ranks]
-    rows = [(i, b.src_rank, b.dst_rank, b.nbytes) for i, rnd in enumerate(plan.rounds) for b in rnd.buckets]
-    arr = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    arr = plan.bucket_rows()  # compact plans answer from their arrays, without building buckets
     node_ids = _node_ids(nodes)
     intra = node_ids[arr[:, 1]] == node_ids[arr[:, 2]] if len(arr) else np.zeros(0, dtype=bool)
-    return BucketArrays(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], intra, len(nodes), len(plan.rounds))
+    return BucketArrays(arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3], intra, len(nodes), plan.n_rounds)
 
 
 def _node_ids(nodes: Sequence[str]) -> np.ndarray:

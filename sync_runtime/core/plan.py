@@ -3,11 +3,19 @@
 Ranks are global ranks of the sync's single process group: source ranks first (in the order of
 `SyncPlan.ranks`), then destination ranks. Within a round every rank sends and receives each of
 its buckets once; rounds run in order. A bucket is one flat message between one (src, dst) pair.
+
+A planned `SyncPlan` is backed by compact `RankPrograms` (the planner's per-pair patterns and
+per-bucket arrays, see planner/program.py): `for_rank` cuts one rank's program from indices built
+once, and `rounds` (every bucket as objects) is only materialised when someone asks for it.
+A hand-made plan (tests) gives `rounds` directly; its per-rank index is built on first use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from sync_runtime.core.layouts.base import Box
 from sync_runtime.core.topology import RankCoord
@@ -27,6 +35,12 @@ class Transfer:
     dst_box: Box
     nbytes: int
 
+    def __reduce__(self) -> tuple:
+        # Positional args: ~2x smaller and faster to pickle than the dataclass's per-field state
+        # dict, and every rank's program is pickled to it (most of a program is its transfers).
+        return (Transfer, (self.src_rank, self.dst_rank, self.tensor, self.src_name, self.src_box,
+                           self.dst_name, self.dst_box, self.nbytes))  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class Bucket:
@@ -36,6 +50,9 @@ class Bucket:
     dst_rank: int
     transfers: tuple[Transfer, ...]
     nbytes: int
+
+    def __reduce__(self) -> tuple:
+        return (Bucket, (self.src_rank, self.dst_rank, self.transfers, self.nbytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,18 +70,119 @@ class RankPlan:
     recvs: tuple[tuple[Bucket, ...], ...]
 
 
-@dataclass(frozen=True, slots=True)
+class RankPrograms(Protocol):
+    """Compact storage of a plan's buckets that can cut one rank's program without a full scan."""
+
+    n_rounds: int
+
+    def rank_buckets(
+        self, rank: int
+    ) -> tuple[tuple[tuple[Bucket, ...], ...], tuple[tuple[Bucket, ...], ...]]:
+        """(sends, recvs) of `rank`, per round."""
+        ...
+
+    def all_rounds(self) -> tuple[Round, ...]:
+        """Every bucket, as objects (large plans: costly; for tools and small plans)."""
+        ...
+
+    def bucket_rows(self) -> np.ndarray:
+        """Per bucket: round, src, dst, bytes (int64, shape (n, 4)), without building objects."""
+        ...
+
+
+class _RoundIndex:
+    """`RankPrograms` over explicit rounds: one pass files every bucket under its two ranks."""
+
+    def __init__(self, rounds: tuple[Round, ...]):
+        self.n_rounds = len(rounds)
+        self._rounds = rounds
+        self._sends: dict[int, list[tuple[int, Bucket]]] = {}
+        self._recvs: dict[int, list[tuple[int, Bucket]]] = {}
+        for i, rnd in enumerate(rounds):
+            for b in rnd.buckets:
+                self._sends.setdefault(b.src_rank, []).append((i, b))
+                self._recvs.setdefault(b.dst_rank, []).append((i, b))
+
+    def _per_round(self, filed: list[tuple[int, Bucket]]) -> tuple[tuple[Bucket, ...], ...]:
+        out: list[list[Bucket]] = [[] for _ in range(self.n_rounds)]
+        for i, b in filed:
+            out[i].append(b)
+        return tuple(tuple(r) for r in out)
+
+    def rank_buckets(
+        self, rank: int
+    ) -> tuple[tuple[tuple[Bucket, ...], ...], tuple[tuple[Bucket, ...], ...]]:
+        return self._per_round(self._sends.get(rank, [])), self._per_round(self._recvs.get(rank, []))
+
+    def all_rounds(self) -> tuple[Round, ...]:
+        return self._rounds
+
+    def bucket_rows(self) -> np.ndarray:
+        rows = [(i, b.src_rank, b.dst_rank, b.nbytes) for i, r in enumerate(self._rounds) for b in r.buckets]
+        return np.array(rows, dtype=np.int64).reshape(-1, 4)
+
+
 class SyncPlan:
-    ranks: tuple[RankCoord, ...]
-    """Coordinate of every global rank of the sync process group (sources first)."""
-    rounds: tuple[Round, ...]
-    digest: str
-    """Stable hash of everything that defines the plan; every participant checks it."""
-    relay: bool = False
-    """True when destination replicas forward to each other (some buckets then leave a destination)."""
-    stats: dict = field(default_factory=dict, compare=False, hash=False)
+    """Every rank's transfers, grouped into rounds and buckets, with the plan's digest."""
+
+    __slots__ = ("_programs", "_rounds", "digest", "ranks", "relay", "stats")
+
+    def __init__(
+        self,
+        ranks: tuple[RankCoord, ...],
+        rounds: tuple[Round, ...] | None = None,
+        digest: str = "",
+        relay: bool = False,
+        stats: dict | None = None,
+        *,
+        programs: RankPrograms | None = None,
+    ):
+        if (rounds is None) == (programs is None):
+            raise ValueError("SyncPlan needs exactly one of rounds and programs")
+        self.ranks = ranks
+        """Coordinate of every global rank of the sync process group (sources first)."""
+        self.digest = digest
+        """Stable hash of everything that defines the plan; every participant checks it."""
+        self.relay = relay
+        """True when destination replicas forward to each other (some buckets then leave a destination)."""
+        self.stats: dict = {} if stats is None else stats
+        self._rounds = rounds
+        self._programs = programs
+
+    @property
+    def n_rounds(self) -> int:
+        return len(self._rounds) if self._rounds is not None else self._index().n_rounds
+
+    @property
+    def rounds(self) -> tuple[Round, ...]:
+        """Every bucket as objects. A compact plan builds them on first access (and keeps them)."""
+        if self._rounds is None:
+            self._rounds = self._index().all_rounds()
+        return self._rounds
+
+    def _index(self) -> RankPrograms:
+        if self._programs is None:
+            assert self._rounds is not None
+            self._programs = _RoundIndex(self._rounds)
+        return self._programs
+
+    def bucket_rows(self) -> np.ndarray:
+        """Per bucket: round, src, dst, bytes (the cost model's input; no objects built)."""
+        return self._index().bucket_rows()
 
     def for_rank(self, rank: int) -> RankPlan:
-        sends = tuple(tuple(b for b in r.buckets if b.src_rank == rank) for r in self.rounds)
-        recvs = tuple(tuple(b for b in r.buckets if b.dst_rank == rank) for r in self.rounds)
+        """`rank`'s program; costs its own buckets, not the plan's (indices built once)."""
+        sends, recvs = self._index().rank_buckets(rank)
         return RankPlan(rank=rank, digest=self.digest, sends=sends, recvs=recvs)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SyncPlan):
+            return NotImplemented
+        same = (self.ranks, self.digest, self.relay) == (other.ranks, other.digest, other.relay)
+        return same and self.rounds == other.rounds
+
+    def __hash__(self) -> int:
+        return hash((self.digest, len(self.ranks)))
+
+    def __repr__(self) -> str:
+        return f"SyncPlan(ranks={len(self.ranks)}, rounds={self.n_rounds}, digest={self.digest[:16]!r})"

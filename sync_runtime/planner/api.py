@@ -20,15 +20,16 @@ from sync_runtime.core import layouts as _layouts
 from sync_runtime.core.cost import predict_seconds_arrays
 from sync_runtime.core.layouts.base import Layout
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.plan import Bucket, Round, SyncPlan, Transfer
+from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.errors import LayoutError, PlanError, TopologyError
 from sync_runtime.planner import relay as _relay
 from sync_runtime.planner.config import PlannerConfig, SideSpec
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
 from sync_runtime.planner.needs import Need, NeedBuilder
+from sync_runtime.planner.program import BucketRef, CompactPrograms, PairBook
 from sync_runtime.planner.refine import SourceCell, build_cells
-from sync_runtime.planner.schedule import direct_queue, pack_buckets, schedule_rounds
+from sync_runtime.planner.schedule import direct_queue, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
 from sync_runtime.planner.stats import plan_stats, schedule_arrays
 
@@ -180,16 +181,19 @@ def _build(
 ) -> SyncPlan:
     """One complete plan; `chains` maps relayed destination ranks to their forwarders."""
     direct = [inst for insts in side_instances for inst in insts if inst[0] not in chains]
-    choices = SenderChooser([c.node for c in ranks]).choose(direct)
-    pairs = _transfers(direct, choices)
-    bucket_bytes = config.effective_bucket_bytes
-    packed = [(s, d, pack_buckets(s, d, ts, bucket_bytes)) for (s, d), ts in pairs.items()]
-    rounds, schedule = _schedule(ranks, packed, chains, config)
+    choices = SenderChooser([c.node for c in ranks]).choose_groups(direct)
+    book = PairBook(config.effective_bucket_bytes)
+    for (dst, needs), choice in zip(direct, choices, strict=True):
+        book.add(dst, needs, choice)
+    rounds = _schedule(ranks, book, chains, config)
+    programs = CompactPrograms(book, rounds)
+    del rounds  # the refs are arrays now; drop the objects before the stats
+    schedule = _fingerprint(programs)
     plan = SyncPlan(
         ranks=ranks,
-        rounds=tuple(Round(tuple(r)) for r in rounds),
-        digest=plan_digest(inputs, schedule),
+        digest=plan_digest(inputs + book.content_hash(), schedule),
         relay=bool(chains),
+        programs=programs,
     )
     lower_bound = sum(n.nbytes for insts in side_instances for _, needs in insts for n in needs)
     plan.stats.update(plan_stats(plan, schedule, n_tensors, lower_bound, config.cost))
@@ -197,56 +201,32 @@ def _build(
 
 
 def _schedule(
-    ranks: Sequence[RankCoord],
-    packed: list[tuple[int, int, list[Bucket]]],
-    chains: dict[int, int],
-    config: PlannerConfig,
-) -> tuple[list[list[Bucket]], np.ndarray]:
-    """Rounds and their fingerprint. Pacing (see schedule.py) wins on large uniform plans and can
-    lose on small ones where a few rounds decide; small plans are scheduled both ways."""
-    n_buckets = sum(len(b) for _, _, b in packed)
-    best: tuple[float, list[list[Bucket]], np.ndarray] | None = None
+    ranks: Sequence[RankCoord], book: PairBook, chains: dict[int, int], config: PlannerConfig
+) -> list[list[BucketRef]]:
+    """Rounds of bucket refs. Pacing (see schedule.py) wins on large uniform plans and can lose on
+    small ones where a few rounds decide; small plans are scheduled both ways."""
+    n_pairs = len(book.pair_src)
+    n_buckets = sum(len(book.patterns[p].sizes) for p in book.pair_pattern)
+    best: tuple[float, list[list[BucketRef]]] | None = None
     for pacing in (True, False) if n_buckets <= BOTH_PACINGS_MAX_BUCKETS else (True,):
-        queues = [direct_queue(s, d, buckets) for s, d, buckets in packed]
+        queues = [direct_queue(book.pair_src[p], book.pair_dst[p], book.refs(p)) for p in range(n_pairs)]
         relays = _relay.relay_queues(chains, queues)
         rounds = schedule_rounds(
             queues, len(ranks), config.round_bytes, config.max_fan_in, relays, pacing=pacing
         )
-        schedule = _fingerprint(rounds)
+        rows = [(i, b.src_rank, b.dst_rank, b.nbytes, 0) for i, r in enumerate(rounds) for b in r]
+        schedule = np.array(rows, dtype=np.int64).reshape(-1, 5)
         predicted = predict_seconds_arrays(schedule_arrays(ranks, schedule, len(rounds)), config.cost)
         if best is None or predicted < best[0]:
-            best = (predicted, rounds, schedule)
+            best = (predicted, rounds)
     assert best is not None
-    return best[1], best[2]
+    return best[1]
 
 
-def _transfers(
-    instances: Sequence[Instance], choices: list[list[int]]
-) -> dict[tuple[int, int], list[Transfer]]:
-    """Per (src, dst) pair, in instance and need order, the transfers the chosen senders make."""
-    pairs: dict[tuple[int, int], list[Transfer]] = {}
-    for (dst_rank, needs), chosen in zip(instances, choices, strict=True):
-        by_src: dict[int, list[Transfer]] = {}  # one instance per dst rank: pairs are per instance
-        for need, h in zip(needs, chosen, strict=True):
-            source = need.sources[h] or need.source(h)
-            rank = source[0]
-            t = Transfer(
-                rank, dst_rank, need.tensor, source[1], source[2], need.dst_name, need.dst_box, need.nbytes
-            )
-            group = by_src.get(rank)
-            if group is None:
-                by_src[rank] = [t]
-            else:
-                group.append(t)
-        for rank, group in by_src.items():
-            pairs[(rank, dst_rank)] = group
-    return pairs
-
-
-def _fingerprint(rounds: list[list[Bucket]]) -> np.ndarray:
+def _fingerprint(programs: CompactPrograms) -> np.ndarray:
     """Per bucket: round, src, dst, bytes, transfer count (the schedule, for digest and stats)."""
-    rows = [(i, b.src_rank, b.dst_rank, b.nbytes, len(b.transfers)) for i, r in enumerate(rounds) for b in r]
-    return np.array(rows, dtype=np.int64).reshape(-1, 5)
+    sizes, counts = programs.bucket_tables()
+    return np.stack([programs.round, programs.src, programs.dst, sizes, counts], axis=1)
 
 
 __all__ = ["plan_sync"]

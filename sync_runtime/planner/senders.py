@@ -19,6 +19,9 @@ from dataclasses import dataclass
 
 from sync_runtime.planner.needs import Need
 
+Choice = dict[tuple[int, ...], "int | dict[int, int]"]
+"""Per holder set: one holder index for all of its needs, or one per need index."""
+
 COARSE_FACTOR = 2
 """A holder set with at least this many receivers per holder is balanced per receiver."""
 
@@ -61,30 +64,46 @@ class SenderChooser:
 
         The needs lists must stay alive while this runs (they are keyed by identity).
         """
+        out = []
+        for (_, needs), choice in zip(instances, self.choose_groups(instances), strict=True):
+            chosen = [0] * len(needs)
+            for ranks, members in self._split(needs).groups.items():
+                c = choice[ranks]
+                for j in members:
+                    chosen[j] = c if isinstance(c, int) else c[j]
+            out.append(chosen)
+        return out
+
+    def choose_groups(self, instances: Sequence[tuple[int, list[Need]]]) -> list[Choice]:
+        """Per instance, per holder set with a choice: one holder for all its needs, or (sets with
+        too few receivers to balance whole) a holder per need index. Sets of one holder are absent."""
         splits = [self._split(needs) for _, needs in instances]
         receivers: dict[tuple[int, ...], int] = {}
         for split in splits:
             for ranks in split.groups:
                 receivers[ranks] = receivers.get(ranks, 0) + 1
-        choices: list[list[int]] = []
+        choices: list[Choice] = []
         # (-bytes, need index or -1 for a whole group, instance, holder set): equal sizes alternate
         # between receivers, so a run of one receiver's equal items cannot drift the loads apart.
         items: list[tuple[int, int, int, tuple[int, ...]]] = []
         for inst, ((_, needs), split) in enumerate(zip(instances, splits, strict=True)):
             for rank, nbytes in split.forced.items():
                 self.loads[rank] += nbytes
-            choices.append([0] * len(needs))
+            choice: Choice = {}
+            choices.append(choice)
             for ranks, members in split.groups.items():
                 if receivers[ranks] >= COARSE_FACTOR * len(ranks):
                     items.append((-split.group_bytes[ranks], -1, inst, ranks))
                 else:
+                    choice[ranks] = {}
                     items.extend((-needs[i].nbytes, i, inst, ranks) for i in members)
         items.sort()
         for neg_bytes, i, inst, ranks in items:
             best = self._pick(ranks, instances[inst][0], -neg_bytes)
-            chosen = choices[inst]
-            for j in splits[inst].groups[ranks] if i < 0 else (i,):
-                chosen[j] = best
+            if i < 0:
+                choices[inst][ranks] = best
+            else:
+                choices[inst][ranks][i] = best  # type: ignore[index]
         return choices
 
     def _pick(self, ranks: tuple[int, ...], dst_rank: int, nbytes: int) -> int:

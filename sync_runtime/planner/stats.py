@@ -31,7 +31,7 @@ def plan_stats(plan: SyncPlan, schedule: np.ndarray, tensors: int, lower_bound: 
     the balance figures.
     """
     n = len(plan.ranks)
-    arrays = schedule_arrays(plan.ranks, schedule, len(plan.rounds))
+    arrays = schedule_arrays(plan.ranks, schedule, plan.n_rounds)
     src, dst, nbytes = arrays.src_rank, arrays.dst_rank, arrays.nbytes
     send = np.bincount(src, weights=nbytes, minlength=n).astype(np.int64)
     recv = np.bincount(dst, weights=nbytes, minlength=n).astype(np.int64)
@@ -41,7 +41,7 @@ def plan_stats(plan: SyncPlan, schedule: np.ndarray, tensors: int, lower_bound: 
         "tensors": tensors,
         "transfers": int(schedule[:, 4].sum()),
         "buckets": len(schedule),
-        "rounds": len(plan.rounds),
+        "rounds": plan.n_rounds,
         "wire_bytes": int(nbytes.sum()),
         "lower_bound_bytes": lower_bound,
         "send_bytes": {r: int(send[r]) for r in range(n)},

@@ -1,0 +1,217 @@
+"""Compact plan storage: per-pair patterns instead of an object per transfer.
+
+Every destination replica at one position shares one needs list (needs.py). Its needs are grouped
+once into *segments*, one per holder set (the ranks that hold identical copies). A destination
+rank's choice of one holder per segment decides its (src, dst) pairs; a pair is then a *pattern*
+(which segments of which needs list, packed into buckets) plus its two ranks. Patterns repeat
+across replicas and positions (the same segments go to one sender), so they are packed once.
+
+A scheduled bucket is a `BucketRef` (pair, bucket index within its pattern); after scheduling the
+refs become flat arrays with per-rank CSR indices, so `rank_buckets` touches only that rank's
+rows and builds `Transfer` objects for them alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sync_runtime.core.plan import Bucket, Round, Transfer
+from sync_runtime.planner.needs import Need
+from sync_runtime.planner.senders import Choice
+
+Segments = list[tuple[tuple[int, ...], list[int]]]
+"""A needs list's holder sets, in first-appearance order, with their need indices."""
+PerRound = tuple[tuple[Bucket, ...], ...]
+
+
+class BucketRef:
+    """A scheduled bucket before it becomes arrays: bucket `k` of pair `pair` (or a relay copy)."""
+
+    __slots__ = ("dst_rank", "k", "nbytes", "pair", "relayed", "src_rank")
+
+    def __init__(self, src_rank: int, dst_rank: int, nbytes: int, pair: int, k: int, relayed: bool):
+        self.src_rank, self.dst_rank, self.nbytes = src_rank, dst_rank, nbytes
+        self.pair, self.k, self.relayed = pair, k, relayed
+
+    def relay_copy(self, forwarder: int, receiver: int) -> BucketRef:
+        """The same bytes forwarded by a destination that received them (see schedule.py)."""
+        return BucketRef(forwarder, receiver, self.nbytes, self.pair, self.k, True)
+
+
+@dataclass(slots=True)
+class Pattern:
+    """Which needs of `needs` one pair carries, in order, cut into buckets."""
+
+    needs: list[Need]
+    order: list[int]
+    bounds: list[int]
+    """Bucket k carries `order[bounds[k]:bounds[k + 1]]`."""
+    sizes: list[int]
+
+
+def _pack(needs: list[Need], order: list[int], bucket_bytes: int) -> tuple[list[int], list[int]]:
+    """Greedy in-order packing up to `bucket_bytes` (as schedule.pack_buckets does for transfers)."""
+    bounds, sizes, size = [0], [], 0
+    for pos, i in enumerate(order):
+        n = needs[i].nbytes
+        if size + n > bucket_bytes and pos > bounds[-1]:
+            bounds.append(pos)
+            sizes.append(size)
+            size = 0
+        size += n
+    if len(order) > bounds[-1]:
+        bounds.append(len(order))
+        sizes.append(size)
+    return bounds, sizes
+
+
+class PairBook:
+    """The direct pairs of a plan, each a pattern shared with every pair of the same shape."""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+        self.patterns: list[Pattern] = []
+        self._pattern_ids: dict[tuple, int] = {}
+        self._segments: dict[int, Segments] = {}
+        self._alive: list[list[Need]] = []  # keys are ids: keep the lists alive
+        self.pair_src: list[int] = []
+        self.pair_dst: list[int] = []
+        self.pair_pattern: list[int] = []
+
+    def segments(self, needs: list[Need]) -> Segments:
+        found = self._segments.get(id(needs))
+        if found is None:
+            groups: dict[tuple[int, ...], list[int]] = {}
+            for i, need in enumerate(needs):
+                groups.setdefault(need.cell.ranks, []).append(i)
+            found = self._segments[id(needs)] = list(groups.items())
+            self._alive.append(needs)
+        return found
+
+    def add(self, dst: int, needs: list[Need], choice: Choice) -> None:
+        """File `dst`'s pairs: per sender, the segments (or single needs) it sends."""
+        parts: dict[int, list[int | tuple[int, ...]]] = {}
+        for seg, (ranks, members) in enumerate(self.segments(needs)):
+            c = choice.get(ranks, 0)
+            if isinstance(c, int):
+                parts.setdefault(ranks[c], []).append(seg)
+                continue
+            by_holder: dict[int, list[int]] = {}
+            for j in members:
+                by_holder.setdefault(c[j], []).append(j)
+            for h, js in by_holder.items():
+                parts.setdefault(ranks[h], []).append(tuple(js))
+        for src, ps in parts.items():
+            self.pair_src.append(src)
+            self.pair_dst.append(dst)
+            self.pair_pattern.append(self._pattern(needs, tuple(ps)))
+
+    def _pattern(self, needs: list[Need], parts: tuple[int | tuple[int, ...], ...]) -> int:
+        key = (id(needs), parts)
+        pid = self._pattern_ids.get(key)
+        if pid is None:
+            segs = self._segments[id(needs)]
+            order = [i for p in parts for i in (segs[p][1] if isinstance(p, int) else p)]
+            bounds, sizes = _pack(needs, order, self.bucket_bytes)
+            pid = self._pattern_ids[key] = len(self.patterns)
+            self.patterns.append(Pattern(needs, order, bounds, sizes))
+        return pid
+
+    def refs(self, pair: int) -> list[BucketRef]:
+        src, dst = self.pair_src[pair], self.pair_dst[pair]
+        sizes = self.patterns[self.pair_pattern[pair]].sizes
+        return [BucketRef(src, dst, n, pair, k, False) for k, n in enumerate(sizes)]
+
+    def transfers(self, pair: int, k: int, src: int, dst: int, relayed: bool) -> tuple[Transfer, ...]:
+        """Bucket `k` of `pair` as transfers (a relay copy reads where the forwarder stored it)."""
+        pattern = self.patterns[self.pair_pattern[pair]]
+        needs, sender = pattern.needs, self.pair_src[pair]
+        picked = [needs[i] for i in pattern.order[pattern.bounds[k] : pattern.bounds[k + 1]]]
+        if relayed:
+            return tuple(
+                Transfer(src, dst, n.tensor, n.dst_name, n.dst_box, n.dst_name, n.dst_box, n.nbytes)
+                for n in picked
+            )
+        out = []
+        ranks, h = (), 0
+        for need in picked:
+            if need.cell.ranks is not ranks:  # consecutive needs mostly share a holder set
+                ranks = need.cell.ranks
+                h = ranks.index(sender)
+            _, name, box = need.sources[h] or need.source(h)
+            out.append(Transfer(src, dst, need.tensor, name, box, need.dst_name, need.dst_box, need.nbytes))
+        return tuple(out)
+
+    def content_hash(self) -> bytes:
+        """sha256 of what every transfer is made of: needs, patterns, pairs (for the digest)."""
+        h = hashlib.sha256()
+        seen: dict[int, int] = {}
+        for pattern in self.patterns:
+            if id(pattern.needs) not in seen:
+                seen[id(pattern.needs)] = len(seen)
+                rows = [
+                    (n.tensor, n.canon_box, n.dst_name, n.dst_box, n.nbytes, n.cell.ranks)
+                    for n in pattern.needs
+                ]
+                h.update(repr(rows).encode())
+            h.update(repr((seen[id(pattern.needs)], pattern.order, pattern.bounds)).encode())
+        for column in (self.pair_src, self.pair_dst, self.pair_pattern):
+            h.update(np.asarray(column, dtype="<i8").tobytes())
+        return h.digest()
+
+
+class CompactPrograms:
+    """A plan's buckets as arrays (round, src, dst, pair, k, relayed) with per-rank indices."""
+
+    def __init__(self, book: PairBook, rounds: Sequence[Sequence[BucketRef]]):
+        self.book = book
+        self.n_rounds = len(rounds)
+        rows = [(i, b.src_rank, b.dst_rank, b.pair, b.k, b.relayed) for i, r in enumerate(rounds) for b in r]
+        arr = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        self.round, self.src, self.dst = arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy()
+        self.pair, self.k, self.relayed = arr[:, 3].copy(), arr[:, 4].copy(), arr[:, 5].astype(bool)
+        n_ranks = int(max(self.src.max(initial=-1), self.dst.max(initial=-1))) + 1
+        # Rows are in round order; a stable sort keeps each rank's buckets in that order.
+        self._by_src = np.argsort(self.src, kind="stable")
+        self._by_dst = np.argsort(self.dst, kind="stable")
+        self._src_at = np.concatenate([[0], np.cumsum(np.bincount(self.src, minlength=n_ranks))])
+        self._dst_at = np.concatenate([[0], np.cumsum(np.bincount(self.dst, minlength=n_ranks))])
+        self.n_ranks = n_ranks
+        self._nbytes = self.bucket_tables()[0]
+
+    def bucket_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per row: bytes and transfer count (from the patterns, vectorised)."""
+        patterns = self.book.patterns
+        first = np.concatenate([[0], np.cumsum([len(p.sizes) for p in patterns])]).astype(np.int64)
+        sizes = np.array([n for p in patterns for n in p.sizes], dtype=np.int64)
+        counts = np.concatenate([np.diff(p.bounds) for p in patterns]).astype(np.int64) if patterns else sizes
+        flat = first[np.asarray(self.book.pair_pattern, dtype=np.int64)[self.pair]] + self.k
+        return sizes[flat], counts[flat]
+
+    def _per_round(self, rows: np.ndarray) -> PerRound:
+        out: list[list[Bucket]] = [[] for _ in range(self.n_rounds)]
+        columns = (self.round, self.src, self.dst, self.pair, self.k, self.relayed, self._nbytes)
+        transfers = self.book.transfers
+        # One gather per column, then plain ints: numpy scalar indexing per row was most of the cost.
+        for rnd, src, dst, pair, k, relayed, nbytes in zip(*(c[rows].tolist() for c in columns), strict=True):
+            out[rnd].append(Bucket(src, dst, transfers(pair, k, src, dst, relayed), nbytes))
+        return tuple(tuple(r) for r in out)
+
+    def rank_buckets(self, rank: int) -> tuple[PerRound, PerRound]:
+        if rank >= self.n_ranks:
+            empty = tuple(() for _ in range(self.n_rounds))
+            return empty, empty
+        sends = self._by_src[self._src_at[rank] : self._src_at[rank + 1]]
+        recvs = self._by_dst[self._dst_at[rank] : self._dst_at[rank + 1]]
+        return self._per_round(sends), self._per_round(recvs)
+
+    def bucket_rows(self) -> np.ndarray:
+        sizes, _ = self.bucket_tables()
+        return np.stack([self.round, self.src, self.dst, sizes], axis=1)
+
+    def all_rounds(self) -> tuple[Round, ...]:
+        return tuple(Round(r) for r in self._per_round(np.arange(len(self.round))))
