@@ -8,7 +8,7 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test lint unit e2e bench bench-plan bench-transfer chart-crds k8s-bins
+.PHONY: demo test lint unit e2e bench bench-plan bench-scale bench-transfer chart-crds k8s-bins
 
 demo:
 	@V=$$(bash tools/venv.sh); $$V/bin/weightsync demo $(ARGS)
@@ -34,6 +34,9 @@ bench: bench-plan bench-transfer
 
 bench-plan:
 	@V=$$(bash tools/venv.sh); $$V/bin/python bench/plan_bench.py $(ARGS)
+
+bench-scale:
+	@V=$$(bash tools/venv.sh); $$V/bin/python bench/scale_bench.py $(ARGS)
 
 bench-transfer:
 	@V=$$(bash tools/venv.sh); $$V/bin/python bench/transfer_bench.py $(ARGS)

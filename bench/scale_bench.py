@@ -1,0 +1,144 @@
+"""Scale benchmark (`make bench-scale`): plan, then cut and pickle every rank's program.
+
+Each case runs in a fresh process (`--child NAME`), so its peak memory (ru_maxrss) is its own.
+Figures per case: CPU seconds of planning and of all per-rank programs (cut + pickled), peak
+memory, the largest rank program's pickled bytes against a pickle of just its transfers, wire
+bytes against the lower bound, send max/mean and predicted against floor. CPU time, not wall
+time: the machine is shared. Prints only; exits 0 either way (a benchmark, not a test).
+Usage: python bench/scale_bench.py [--only NAME] [--ranks N]  (--ranks: programs of N ranks only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import resource
+import subprocess
+import sys
+import time
+import tracemalloc
+
+CASES = {
+    "kimi-k2-384": ("kimi-k2", "tp=8,pp=8,dp=4,ep=32", "tp=16,ep=16,replicas=8", 5.0, None),
+    "kimi-k2-8192-4096": ("kimi-k2", "tp=8,pp=16,dp=64,ep=64", "tp=16,ep=16,replicas=256", 10.0, 2.0),
+}
+"""name: (model, source, destination, target CPU seconds, target peak GiB or None)."""
+
+
+def _transfers_bytes(rank_plan: object) -> int:
+    """Pickled size of the rank's transfers alone: the floor a program's size is compared with."""
+    ts = [t for side in (rank_plan.sends, rank_plan.recvs) for r in side for b in r for t in b.transfers]  # type: ignore[attr-defined]
+    return len(pickle.dumps(ts, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _programs(plan: object, n_ranks: int) -> dict:
+    """Cut and pickle every rank's program; the largest one's figures."""
+    started = time.process_time()
+    largest = (0, 0, 0)
+    total = 0
+    for rank in range(n_ranks):
+        blob = pickle.dumps(plan.for_rank(rank), protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[attr-defined]
+        total += len(blob)
+        if len(blob) > largest[1]:
+            largest = (rank, len(blob), 0)
+    seconds = time.process_time() - started
+    rank_plan = plan.for_rank(largest[0])  # type: ignore[attr-defined]
+    tracemalloc.start()
+    pickle.loads(pickle.dumps(rank_plan, protocol=pickle.HIGHEST_PROTOCOL))
+    participant_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return {
+        "programs_cpu_s": seconds,
+        "programs_pickled_total": total,
+        "largest_rank": largest[0],
+        "largest_program_bytes": largest[1],
+        "largest_transfers_bytes": _transfers_bytes(rank_plan),
+        "participant_unpickle_peak_bytes": participant_peak,
+    }
+
+
+def child(name: str, ranks: int | None) -> dict:
+    from sync_runtime.cli.main import build_parser, sync_inputs
+    from sync_runtime.planner import plan_sync
+
+    model, src, dst, _, _ = CASES[name]
+    args = build_parser(["plan"]).parse_args(["plan", "--model", model, "--src", src, "--dst", dst])
+    inputs = sync_inputs(args)
+    started = time.process_time()
+    plan = plan_sync(inputs.manifest, inputs.source, inputs.destinations, inputs.config)
+    plan_s = time.process_time() - started
+    s = plan.stats
+    out = {k: s[k] for k in ("transfers", "buckets", "rounds", "wire_bytes", "lower_bound_bytes")}
+    out.update(
+        plan_cpu_s=plan_s,
+        send_max_mean=s["max_send_bytes"] / s["mean_send_bytes"],
+        predicted_s=s["predicted_seconds"],
+        floor_s=s["floor_seconds"],
+        ranks=len(plan.ranks),
+        plan_peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    out.update(_programs(plan, min(ranks or len(plan.ranks), len(plan.ranks))))
+    out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
+
+
+def report(name: str, r: dict) -> None:
+    _, src, dst, target_s, target_gib = CASES[name]
+    total = r["plan_cpu_s"] + r["programs_cpu_s"]
+    gib = r["peak_rss"] / 2**30
+    ok = total <= target_s and (target_gib is None or gib <= target_gib)
+    print(f"== {name}: {src} -> {dst} ({r['ranks']:,} ranks)")
+    print(f"  transfers {r['transfers']:,}  buckets {r['buckets']:,}  rounds {r['rounds']:,}")
+    print(f"  CPU s: plan {r['plan_cpu_s']:.2f} + all programs {r['programs_cpu_s']:.2f} = {total:.2f}")
+    print(
+        f"  peak memory (coordinator, ru_maxrss): {gib:.2f} GiB "
+        f"(after planning {r['plan_peak_rss'] / 2**30:.2f})"
+    )
+    print(
+        f"  largest rank program (rank {r['largest_rank']}): {r['largest_program_bytes']:,} B pickled vs "
+        f"{r['largest_transfers_bytes']:,} B for its transfers alone "
+        f"({r['largest_program_bytes'] / max(1, r['largest_transfers_bytes']):.2f}x); "
+        f"unpickling peak {r['participant_unpickle_peak_bytes'] / 2**20:.1f} MiB"
+    )
+    print(f"  all programs pickled: {r['programs_pickled_total'] / 2**20:.1f} MiB")
+    wire = (
+        "= lower bound"
+        if r["wire_bytes"] == r["lower_bound_bytes"]
+        else f"!= lower bound {r['lower_bound_bytes']:,}"
+    )
+    print(f"  wire bytes {r['wire_bytes']:,} {wire}")
+    ratio = r["predicted_s"] / r["floor_s"]
+    print(
+        f"  send max/mean {r['send_max_mean']:.3f}  predicted {r['predicted_s']:.3f} s "
+        f"vs floor {r['floor_s']:.3f} s ({ratio:.3f}x)"
+    )
+    limit = f"<= {target_s} s CPU" + (f", <= {target_gib} GiB" if target_gib else "")
+    print(f"  target {limit}: {'met' if ok else 'MISSED'}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=sorted(CASES))
+    parser.add_argument("--ranks", type=int, help="cut programs for the first N ranks only")
+    parser.add_argument("--child", choices=sorted(CASES), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.ranks)))
+        return 0
+    for name in CASES:
+        if args.only and name != args.only:
+            continue
+        argv = [sys.executable, __file__, "--child", name] + (
+            ["--ranks", str(args.ranks)] if args.ranks else []
+        )
+        out = subprocess.run(argv, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(f"== {name}: failed ({out.returncode}): {out.stderr.strip()[-2000:]}")
+            continue
+        report(name, json.loads(out.stdout.splitlines()[-1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
