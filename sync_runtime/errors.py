@@ -232,6 +232,11 @@ class RemoteCallFailed(WeightSyncError, RuntimeError):
     reason = Reason.REMOTE_CALL_FAILED
 
 
+class ParticipantError(RemoteCallFailed):
+    """A participant refused a call made out of order (ws_init never called, an unknown tensor,
+    a role that disagrees with its coordinates): the call failed, on the participant's side."""
+
+
 class ParticipantDied(WeightSyncError, RuntimeError):
     """A participant's process is gone."""
 

@@ -23,7 +23,7 @@ from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
-from sync_runtime.errors import LayoutError, ModelConfigError, TopologyError
+from sync_runtime.errors import PlanError, TopologyError, WeightSyncError
 from sync_runtime.planner import MiB, PlannerConfig, SideSpec, plan_sync
 
 PROG = "weightsync"
@@ -31,7 +31,8 @@ SIMULATE_MAX_BYTES = 256 * MiB
 """`simulate` materialises every rank's tensors in memory: tiny models only."""
 DELEGATES = {"demo": "sync_runtime.demo.run", "run": "sync_runtime.runtime.loop"}
 """Subcommands implemented elsewhere: module with add_arguments(parser) and run(args) -> int."""
-USER_ERRORS = (TopologyError, LayoutError, ModelConfigError, ValueError)
+USER_ERRORS = (WeightSyncError,)
+"""Bad input, reported in one line with exit code 2; anything else is a bug and keeps its traceback."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,7 @@ def sync_inputs(args: argparse.Namespace) -> SyncInputs:
     )
     layouts = args.dst_layout or ["vllm"]
     if len(layouts) not in (1, len(args.dst)):
-        raise ValueError(f"{len(layouts)} --dst-layout for {len(args.dst)} --dst: give one, or one per --dst")
+        raise PlanError(f"{len(layouts)} --dst-layout for {len(args.dst)} --dst: give one, or one per --dst")
     destinations = []
     for i, text in enumerate(args.dst):
         spec = ParallelSpec.parse(text)
@@ -305,7 +306,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     inputs = sync_inputs(args)
     if inputs.manifest.nbytes > SIMULATE_MAX_BYTES:
-        raise ValueError(
+        raise PlanError(
             f"--model {args.model} has {inputs.manifest.nbytes / MiB:.0f} MiB of weights; simulate "
             f"holds every rank's copy in memory, so it takes models up to {SIMULATE_MAX_BYTES // MiB} MiB"
         )

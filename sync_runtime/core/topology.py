@@ -74,7 +74,7 @@ class ParallelSpec:
         names = {f.name for f in dataclasses.fields(cls)}
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
-            key = key.strip().lower()
+            key = key.strip().casefold()  # "TP=2" is tp=2
             if not sep:
                 raise TopologyError(f"{item!r}: expected key=value")
             if key in ("layers", "layer_counts"):

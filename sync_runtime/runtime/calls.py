@@ -7,9 +7,14 @@ from typing import Any
 
 import ray
 
+from sync_runtime.errors import (
+    ParticipantDied,
+    RemoteCallFailed,
+    SyncStep,
+    WeightSyncError,
+    describe_unexpected,
+)
 from sync_runtime.runtime.discovery import Participant
-from sync_runtime.runtime.failures import StepFailed
-from sync_runtime.schema.report import SyncFailure, SyncStep
 
 
 def call_all(
@@ -18,10 +23,15 @@ def call_all(
     timeout_s: float,
     step: SyncStep,
     ranks: Sequence[int] | None = None,
-    reason: str = "RemoteCallFailed",
+    error: type[WeightSyncError] = RemoteCallFailed,
     raise_on_error: bool = True,
 ) -> list[Any]:
-    """Call `method(*args)` on every participant concurrently; wait at most `timeout_s` in all."""
+    """Call `method(*args)` on every participant concurrently; wait at most `timeout_s` in all.
+
+    A call that fails raises `error` (ParticipantDied when the actor is gone, the participant's
+    own WeightSyncError when it raised one), located at the rank and `step`; with
+    raise_on_error=False its result is None instead.
+    """
     refs = [getattr(p.handle, method).remote(*args) for p, method, args in calls]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done = set(ready)
@@ -31,34 +41,26 @@ def call_all(
         where = f"{method} on {p.name}" + (f" (rank {rank})" if rank is not None else "")
         if r not in done:
             if raise_on_error:
-                raise StepFailed(
-                    SyncFailure(
-                        reason=reason,
-                        rank=rank,
-                        step=step,
-                        message=f"{where}: no answer within {timeout_s:g}s",
-                    )
-                )
+                raise error(f"{where}: no answer within {timeout_s:g}s", rank=rank, step=step)
             out.append(None)
             continue
         try:
             out.append(ray.get(r))
         except ray.exceptions.RayError as e:
             if raise_on_error:
-                died = isinstance(e, ray.exceptions.RayActorError)
-                raise StepFailed(
-                    SyncFailure(
-                        reason="ParticipantDied" if died else reason,
-                        rank=rank,
-                        step=step,
-                        message=f"{where}: {first_line(e)}",
-                    )
-                ) from e
+                raise remote_error(e, where, error).located(rank=rank, step=step) from e
             out.append(None)
     return out
 
 
-def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:500]
+def remote_error(
+    e: ray.exceptions.RayError, where: str, error: type[WeightSyncError] = RemoteCallFailed
+) -> WeightSyncError:
+    """The typed error of a failed remote call: the participant's own when it raised one."""
+    cause = getattr(e, "cause", None)  # RayTaskError keeps the exception the method raised
+    if isinstance(cause, WeightSyncError):
+        f = cause
+        return type(f)(f"{where}: {f.message}", rank=f.rank, step=f.step, tensor=f.tensor, peer=f.peer)
+    if isinstance(e, ray.exceptions.RayActorError):
+        return ParticipantDied(f"{where}: the participant died ({describe_unexpected(e)})")
+    return error(f"{where}: {describe_unexpected(e)}")

@@ -8,13 +8,9 @@ from collections.abc import Sequence
 
 import ray
 
-from sync_runtime.runtime.calls import first_line
+from sync_runtime.errors import RayUnreachableError, describe_unexpected
 from sync_runtime.schema import crd
 from sync_runtime.schema.crd import WeightSyncSpec
-
-
-class RayFailure(RuntimeError):
-    """Cannot connect to the participants' Ray cluster."""
 
 
 def resolve_address(spec: WeightSyncSpec, namespace: str | None = None) -> str | None:
@@ -37,17 +33,17 @@ def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
     try:
         addresses = [crd.resolve_ray_address(r, namespace) for r in refs]
     except ValueError as e:
-        raise RayFailure(str(e)) from e
+        raise RayUnreachableError(str(e)) from e
     if len(set(addresses)) != 1:
         listed = ", ".join(f"{r.name}={a}" for r, a in zip(refs, addresses, strict=True))
-        raise RayFailure(f"all deployments must share one Ray cluster; got {listed}")
+        raise RayUnreachableError(f"all deployments must share one Ray cluster; got {listed}")
     address = addresses[0]
     if ray.is_initialized():
         return address
     try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     except Exception as e:  # ray.init raises ConnectionError, ValueError, RuntimeError...
-        raise RayFailure(f"cannot connect to Ray at {address}: {type(e).__name__}: {first_line(e)}") from e
+        raise RayUnreachableError(f"cannot connect to Ray at {address}: {describe_unexpected(e)}") from e
     return address
 
 

@@ -4,7 +4,9 @@ One `Coordinator` lives as long as its WeightSync. A sync is: discover -> plan (
 topology digest is unchanged) -> connect (the single process group, reused while healthy) ->
 transfer (every rank runs its whole rank plan concurrently) -> verify -> commit or abort (the
 collective decision: commit on every destination only when every rank succeeded). Every
-blocking wait has a deadline; any failure is reported with a reason, the rank and the step.
+blocking wait has a deadline; any failure is reported as the SyncFailure of a WeightSyncError
+(reason, rank, step, peer, tensor), an unexpected exception as InternalError in one line (its
+traceback goes to the log only).
 """
 
 from __future__ import annotations
@@ -23,11 +25,21 @@ import ray
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import Role
+from sync_runtime.errors import (
+    CommitFailed,
+    ConnectError,
+    InternalError,
+    PlanError,
+    SyncFailure,
+    SyncStep,
+    VerifyFailed,
+    WeightSyncError,
+    describe_unexpected,
+)
 from sync_runtime.planner import PlannerConfig, plan_sync
 from sync_runtime.runtime.calls import call_all
 from sync_runtime.runtime.discovery import DiscoveredSide, Participant, discover_all
 from sync_runtime.runtime.drive import backend_for, drive_transfer
-from sync_runtime.runtime.failures import StepFailed
 from sync_runtime.runtime.session import Session
 from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import (
@@ -35,10 +47,8 @@ from sync_runtime.schema.report import (
     RankBytes,
     Reporter,
     StageSeconds,
-    SyncFailure,
     SyncReport,
     SyncResult,
-    SyncStep,
 )
 
 log = logging.getLogger("weightsync.coordinator")
@@ -93,15 +103,14 @@ class Coordinator:
         att = _Attempt(version=version or self.spec.version, started_at=datetime.now(UTC))
         try:
             report = self._sync(att, skip_if_current)
-        except StepFailed as e:
-            if e.failure.step in (SyncStep.CONNECT, SyncStep.TRANSFER, SyncStep.VERIFY, SyncStep.COMMIT):
+        except WeightSyncError as e:
+            if e.step in (SyncStep.CONNECT, SyncStep.TRANSFER, SyncStep.VERIFY, SyncStep.COMMIT):
                 self._invalidate_group()
-            report = self._report(att, e.failure)
+            report = self._report(att, e.to_failure())
         except Exception as e:  # a bug or an unexpected Ray error: report it, keep the loop alive
             log.exception("sync %s failed unexpectedly", att.version)
             self._invalidate_group()
-            failure = SyncFailure(reason="InternalError", message=f"{type(e).__name__}: {e}"[:2000])
-            report = self._report(att, failure)
+            report = self._report(att, InternalError(describe_unexpected(e)).to_failure())
         self.reporter.finished(report)
         return report
 
@@ -150,7 +159,7 @@ class Coordinator:
             timeout_s=self._rpc_timeout(),
             step=SyncStep.COMMIT,
             ranks=self._ranks_of(session, dst),
-            reason="CommitFailed",
+            error=CommitFailed,
         )
         att.stages.commit = time.monotonic() - t
         return self._report(att, None)
@@ -175,19 +184,15 @@ class Coordinator:
         )
         try:
             plan = plan_sync(manifest, sides[0].side_spec(), [s.side_spec() for s in sides[1:]], config)
-        except ValueError as e:
-            raise StepFailed(SyncFailure(reason="PlanFailed", message=str(e), step=SyncStep.PLAN)) from e
+        except WeightSyncError:
+            raise  # the planner's own kinds (PlanError, TopologyError, LayoutError) say what is wrong
+        except ValueError as e:  # a bare one from a check below the planner: still a plan failure
+            raise PlanError(str(e)) from e
         participants = tuple(p for s in sides for p in s.participants)
         if len(plan.ranks) != len(participants) or any(
             c.key != p.meta.coord.key for c, p in zip(plan.ranks, participants, strict=False)
         ):
-            raise StepFailed(
-                SyncFailure(
-                    reason="PlanFailed",
-                    step=SyncStep.PLAN,
-                    message="planner returned ranks in another order than the participants",
-                )
-            )
+            raise PlanError("planner returned ranks in another order than the participants")
         self._generation += 1
         self._session = Session(
             topology_digest=digest,
@@ -225,26 +230,19 @@ class Coordinator:
             timeout_s=tr.connect_timeout_seconds + 10.0,
             step=SyncStep.CONNECT,
             ranks=list(range(world)),
-            reason="ConnectFailed",
+            error=ConnectError,
         )
         session.joined = True
 
     def _transfer(self, session: Session, att: _Attempt) -> list:
         self._emit(att, SyncStep.TRANSFER)
         t = time.monotonic()
-        try:
-            results = drive_transfer(
-                session,
-                self.spec.transport,
-                att.version,
-                self._store,
-                self._progress_sink(att),
-            )
-        except StepFailed as failure:
-            att.stages.transfer = time.monotonic() - t
-            self._abort_all(session, skip=failure.unfinished)
-            raise failure from None
+        out = drive_transfer(session, self.spec.transport, att.version, self._store, self._progress_sink(att))
         att.stages.transfer = time.monotonic() - t
+        if out.failure is not None:
+            self._abort_all(session, skip=out.unfinished)
+            raise WeightSyncError.from_failure(out.failure)
+        results = out.results
         session.plans_sent = True
         for rank, r in enumerate(results):
             p = session.participants[rank]
@@ -271,14 +269,10 @@ class Coordinator:
         for rank, r in enumerate(results):
             if r.recv_bytes != expected[rank]:
                 self._abort_all(session)
-                raise StepFailed(
-                    SyncFailure(
-                        reason="VerifyFailed",
-                        rank=rank,
-                        step=SyncStep.VERIFY,
-                        message=f"rank {rank} ({session.participants[rank].name}) received "
-                        f"{r.recv_bytes} bytes, the plan says {expected[rank]}",
-                    )
+                raise VerifyFailed(
+                    f"rank {rank} ({session.participants[rank].name}) received "
+                    f"{r.recv_bytes} bytes, the plan says {expected[rank]}",
+                    rank=rank,
                 )
         att.stages.verify = time.monotonic() - t
 

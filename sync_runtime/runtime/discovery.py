@@ -22,12 +22,10 @@ from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
-from sync_runtime.errors import DiscoveryError, LayoutError, ModelConfigError, TopologyMismatchError
+from sync_runtime.errors import DiscoveryError, TopologyMismatchError, describe_unexpected
 from sync_runtime.planner import SideSpec
-from sync_runtime.runtime.failures import StepFailed
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.schema.crd import DeploymentRef, WeightSyncSpec
-from sync_runtime.schema.report import SyncFailure, SyncStep
 
 MAX_LISTED = 12
 """Mismatch lines shown in one error; the rest are counted."""
@@ -91,7 +89,9 @@ def gather(ref: DeploymentRef, timeout_s: float) -> list[Participant]:
         try:
             meta = ray.get(r)
         except ray.exceptions.RayError as e:
-            raise DiscoveryError(f"deployment {ref.name!r}: actor {name} failed ws_meta: {e}") from e
+            raise DiscoveryError(
+                f"deployment {ref.name!r}: actor {name} failed ws_meta: {describe_unexpected(e)}"
+            ) from e
         out.append(Participant(handle=handle, name=name, namespace=ref.ray_namespace, meta=meta))
     return out
 
@@ -229,21 +229,13 @@ def discover_all(
     manifest: Manifest | None,
     timeout_s: float,
 ) -> tuple[Manifest, list[DiscoveredSide], str]:
-    """Source first, then each destination; everything checked before a byte moves."""
-    try:
-        found = [gather(spec.source, timeout_s)] + [gather(d, timeout_s) for d in spec.destinations]
-        manifest = manifest or _manifest(spec, found[0])
-        roles = [Role.SOURCE] + [Role.DESTINATION] * len(spec.destinations)
-        refs = [spec.source, *spec.destinations]
-        sides = [
-            check_side(ref, role, ps, manifest) for ref, role, ps in zip(refs, roles, found, strict=True)
-        ]
-    except TopologyMismatchError as e:
-        raise StepFailed(
-            SyncFailure(reason="TopologyMismatch", message=str(e), step=SyncStep.DISCOVER)
-        ) from e
-    except (LayoutError, ModelConfigError) as e:
-        raise StepFailed(SyncFailure(reason="InvalidLayout", message=str(e), step=SyncStep.DISCOVER)) from e
-    except DiscoveryError as e:
-        raise StepFailed(SyncFailure(reason="DiscoveryFailed", message=str(e), step=SyncStep.DISCOVER)) from e
+    """Source first, then each destination; everything checked before a byte moves.
+
+    Raises the WeightSyncError of what is wrong (DiscoveryError, TopologyMismatchError,
+    LayoutError), each with step discover."""
+    found = [gather(spec.source, timeout_s)] + [gather(d, timeout_s) for d in spec.destinations]
+    manifest = manifest or _manifest(spec, found[0])
+    roles = [Role.SOURCE] + [Role.DESTINATION] * len(spec.destinations)
+    refs = [spec.source, *spec.destinations]
+    sides = [check_side(ref, role, ps, manifest) for ref, role, ps in zip(refs, roles, found, strict=True)]
     return manifest, sides, topology_digest(manifest, sides)

@@ -6,20 +6,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from sync_runtime.core.topology import Role
-from sync_runtime.runtime.calls import first_line
+from sync_runtime.errors import InternalError, SyncFailure, SyncStep, TransferTimeout, WeightSyncError
+from sync_runtime.runtime.calls import remote_error
 from sync_runtime.runtime.discovery import Participant
-from sync_runtime.runtime.failures import StepFailed
 from sync_runtime.runtime.session import Session
 from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import SyncFailure, SyncStep
 from sync_runtime.transfer import RankResult, TransferConfig, publish_failure
-
-POLL_S = 0.2
 
 
 def deadline_margin(timeout_s: float) -> float:
@@ -45,14 +42,25 @@ def transfer_config(
     return TransferConfig(backend=backend, timeout_s=float(transport.transfer_timeout_seconds), device=device)
 
 
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What one transfer came to: every rank's result, or the root cause of its failure."""
+
+    results: list[RankResult]
+    """By rank; empty when the transfer failed."""
+    failure: SyncFailure | None = None
+    unfinished: frozenset[int] = frozenset()
+    """Ranks still inside ws_run: their calls queue behind it, so nobody waits on them."""
+
+
 def drive_transfer(
     session: Session,
     transport: Transport,
     version: str,
     store: Any,
     on_progress: Callable[[int], None],
-) -> list[RankResult]:
-    """Run every rank's plan concurrently; return all results or raise StepFailed with the root cause."""
+) -> Transfer:
+    """Run every rank's plan concurrently; all results, or the root cause of the failure."""
     plan, ps = session.plan, session.participants
     backend = backend_for(ps, transport)
     keys = [f"{session.group_name}/progress/{rank}" for rank in range(len(ps))]
@@ -67,94 +75,66 @@ def drive_transfer(
     margin = deadline_margin(transport.transfer_timeout_seconds)
     deadline = time.monotonic() + transport.transfer_timeout_seconds + margin
     results: dict[int, RankResult] = {}
-    failures: list[tuple[int, SyncFailure]] = []
+    failures: list[SyncFailure] = []
 
-    def fail(priority: int, failure: SyncFailure) -> None:
-        failures.append((priority, failure))
+    def fail(failure: SyncFailure) -> None:
+        failures.append(failure)
         # Idempotent (first writer wins); covers ranks that died, hang, or failed before the
         # engine could publish their failure, so the others stop within one poll interval.
-        mark_failed(store, session, session.syncs, failure, transport.transfer_timeout_seconds)
+        mark_failed(store, session, session.syncs, failure)
 
     pending, reported = list(refs), -1
     while pending and time.monotonic() < deadline:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         for r in ready:
             outcome = _outcome(r, refs[r], ps[refs[r]])
-            if isinstance(outcome, SyncFailure):
-                fail(_priority(outcome), outcome)
-            else:
+            if outcome.ok:
                 results[refs[r]] = outcome
+            else:
+                fail(_named(outcome, refs[r], ps[refs[r]]))
         done = _progress(store, keys, results)
         if done != reported:
             on_progress(done)
             reported = done
-    for r in pending:
-        fail(2, _hung(refs[r], ps[refs[r]], transport.transfer_timeout_seconds, margin))
+    # A rank still running when the others gave up on it explains their timeouts: it goes
+    # first, so among failures of the same root-cause rank it is the one reported.
+    hung = [_hung(refs[r], ps[refs[r]], transport.transfer_timeout_seconds, margin) for r in pending]
+    for failure in hung:
+        mark_failed(store, session, session.syncs, failure)
+    failures = hung + failures
     if failures:
-        raise StepFailed(min(failures, key=lambda f: f[0])[1], frozenset(refs[r] for r in pending))
-    return [results[rank] for rank in range(len(ps))]
+        root = min(failures, key=lambda f: f.root_cause)  # min keeps the first of equals
+        return Transfer([], root, frozenset(refs[r] for r in pending))
+    return Transfer([results[rank] for rank in range(len(ps))])
+
+
+def _named(result: RankResult, rank: int, p: Participant) -> SyncFailure:
+    """The rank's failure, with the participant's name (what an operator looks for in Ray)."""
+    failure = result.failure or InternalError("ws_run failed without saying why").to_failure()
+    return failure.model_copy(
+        update={
+            "rank": rank if failure.rank is None else failure.rank,
+            "message": f"{p.name}: {failure.message}",
+        }
+    )
 
 
 def _hung(rank: int, p: Participant, timeout_s: float, margin: float) -> SyncFailure:
-    """Still running when the others gave up on it: the likely root cause (priority 2)."""
-    return SyncFailure(
-        reason="TransferTimeout",
+    """Still running when the others gave up on it: the likely root cause."""
+    return TransferTimeout(
+        f"rank {rank} ({p.name}) did not finish within {timeout_s:g}s (+{margin:g}s margin)",
         rank=rank,
         step=SyncStep.TRANSFER,
-        message=f"rank {rank} ({p.name}) did not finish within {timeout_s:g}s (+{margin:g}s margin)",
-    )
+    ).to_failure()
 
 
-def _outcome(ref: Any, rank: int, p: Participant) -> RankResult | SyncFailure:
+def _outcome(ref: Any, rank: int, p: Participant) -> RankResult:
     try:
-        result: RankResult = ray.get(ref)
-    except ray.exceptions.RayActorError as e:
-        return SyncFailure(
-            reason="ParticipantDied",
-            rank=rank,
-            step=SyncStep.TRANSFER,
-            message=f"rank {rank} ({p.name}) died during the transfer: {first_line(e)}",
-        )
+        return ray.get(ref)
     except ray.exceptions.RayError as e:
-        return SyncFailure(
-            reason="RemoteCallFailed",
-            rank=rank,
-            step=SyncStep.TRANSFER,
-            message=f"rank {rank} ({p.name}): ws_run failed: {first_line(e)}",
-        )
-    if result.ok:
-        return result
-    return SyncFailure(
-        reason=_reason(result, p),
-        rank=rank,
-        step=_step(result.step),
-        message=f"rank {rank} ({p.name}): {(result.error or '').strip()[:2000]}",
-    )
-
-
-def _reason(result: RankResult, p: Participant) -> str:
-    error = result.error or ""
-    if "peer rank" in error and "failed" in error:
-        return "PeerFailed"
-    if result.step == "verify" or "checksum" in error.lower():
-        return "ChecksumMismatch"
-    if result.step == "plan":
-        return "PlanMismatch"
-    if "timed out" in error or "Timeout" in error:
-        return "TransferTimeout"
-    return "SourceError" if p.meta.role is Role.SOURCE else "DestinationError"
-
-
-def _priority(failure: SyncFailure) -> int:
-    """Root cause first: a death or a rank's own error explains the peers' aborts and timeouts."""
-    return {"ParticipantDied": 0, "TransferTimeout": 3, "PeerFailed": 4}.get(failure.reason, 1)
-
-
-def _step(step: str | None) -> SyncStep:
-    try:
-        return SyncStep(step or "transfer")
-    except ValueError:
-        return SyncStep.TRANSFER
+        where = f"rank {rank} ({p.name}): ws_run"
+        error: WeightSyncError = remote_error(e, where).located(rank=rank, step=SyncStep.TRANSFER)
+        return RankResult(rank, False, 0, 0, 0.0, failure=error.to_failure())
 
 
 def _progress(store: Any, keys: Sequence[str], results: dict[int, RankResult]) -> int:
@@ -169,12 +149,11 @@ def _progress(store: Any, keys: Sequence[str], results: dict[int, RankResult]) -
     return done // 2
 
 
-def mark_failed(store: Any, session: Session, sync_id: int, failure: SyncFailure, timeout_s: float) -> None:
+def mark_failed(store: Any, session: Session, sync_id: int, failure: SyncFailure) -> None:
     """Publish a failure the failing rank cannot publish itself (it died or hangs), so the other
     ranks abort within one poll interval instead of waiting for their own timeouts.
 
     Idempotent: the first failure published for a sync wins (a rank's own report or this).
-    `timeout_s` is unused (the store's own timeout applies); kept for the callers.
     """
     # Best effort: should the store fail, the ranks still stop at their own timeouts, and the
     # report names the cause from the coordinator's side anyway.
@@ -184,6 +163,5 @@ def mark_failed(store: Any, session: Session, sync_id: int, failure: SyncFailure
             group_name=session.group_name,
             world_size=len(session.participants),
             sync_id=sync_id,
-            rank=failure.rank if failure.rank is not None else -1,
-            message=f"[coordinator] {failure.reason}: {failure.message}",
+            failure=failure,
         )

@@ -9,15 +9,14 @@ import sys
 import threading
 import time
 
-from sync_runtime.runtime.connect import RayFailure, connect_ray, ensure_ray_auth_env, resolve_address
+from sync_runtime.errors import RayUnreachableError, WeightSyncError
+from sync_runtime.runtime.connect import connect_ray, ensure_ray_auth_env, resolve_address
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import ProgressEvent, SyncReport, SyncResult
 
 log = logging.getLogger("weightsync.run")
 HEARTBEAT_S = 30.0
-NOT_RETRIED = frozenset({"TopologyMismatch", "InvalidLayout", "PlanFailed"})
-"""Failures a retry cannot fix: the spec or the deployments must change first (a new spec is watched)."""
 
 
 class JsonReporter:
@@ -81,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = load_spec_file(args.config)
         connect_ray(spec, args.namespace)
-    except (OSError, ValueError, RayFailure) as e:
+    except (OSError, ValueError, WeightSyncError) as e:  # a missing file, a bad manifest, no Ray
         print(f"weightsync run: {e}", file=sys.stderr)
         return 1
     reporter = JsonReporter(args.report, quiet=args.quiet)
@@ -144,8 +143,8 @@ def _connect_until_up(spec: WeightSyncSpec, namespace: str, reporter) -> str:
         reporter.set_phase(RuntimePhase.CONNECTING, version=spec.version)
         try:
             address = connect_ray(spec, namespace)
-        except RayFailure as e:
-            reporter.set_phase(RuntimePhase.FAILED, reason="RayClusterUnreachable", message=str(e)[:1000])
+        except RayUnreachableError as e:
+            reporter.set_phase(RuntimePhase.FAILED, reason=e.reason.value, message=e.message[:1000])
             log.warning("%s; retrying in %.0fs", e, delay)
             time.sleep(delay)
             delay = min(delay * 2, max(1.0, float(spec.retry.max_backoff_seconds)))
@@ -162,7 +161,7 @@ def _sync_with_retries(coordinator: Coordinator, spec: WeightSyncSpec) -> None:
         log.info("sync %s attempt %d: %s", report.version, attempt + 1, report.result.value)
         if report.result is SyncResult.SUCCEEDED or report.failure is None:
             return
-        if report.failure.reason in NOT_RETRIED:
-            return
+        if not report.failure.retryable:
+            return  # only a change of the spec or the deployments can fix it (a new spec is watched)
         time.sleep(delay)
         delay = min(delay * 2, float(spec.retry.max_backoff_seconds))

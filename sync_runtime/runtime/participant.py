@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import os
 import time
-import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,16 +26,29 @@ import torch
 from sync_runtime.core.layouts.base import LocalTensorMeta
 from sync_runtime.core.plan import RankPlan
 from sync_runtime.core.topology import RankCoord, Role
-from sync_runtime.schema.report import SyncStep
-from sync_runtime.transfer import DestinationWeights, RankResult, SyncGroup, TransferConfig, run_rank_plan
+from sync_runtime.errors import (
+    ConnectError,
+    DestinationError,
+    ParticipantError,
+    PlanMismatchError,
+    SourceError,
+    SyncFailure,
+    WeightSyncError,
+    describe_unexpected,
+)
+from sync_runtime.transfer import (
+    DestinationWeights,
+    EngineHooks,
+    RankResult,
+    SyncGroup,
+    TransferConfig,
+    run_rank_plan,
+)
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 
+log = logging.getLogger("weightsync.participant")
 PROGRESS_INTERVAL_S = 0.1
 """Least time between two progress writes to the store (each is one round trip)."""
-
-
-class ParticipantError(RuntimeError):
-    """A participant was used out of order (not initialised, unknown plan, not a destination)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,8 @@ class WeightSyncParticipant:
     """Mixin for a Ray actor that takes part in weight syncs. Call `ws_init` from `__init__`."""
 
     _ws: _State | None = None
+    _ws_hooks: EngineHooks | None = None
+    """Test-only observer handed to the engine (fault injection); production never sets it."""
 
     def ws_init(
         self,
@@ -230,8 +245,8 @@ class WeightSyncParticipant:
     ) -> RankResult:
         """Run this rank's whole plan for `version`. `plan` may be the digest of a plan sent before.
 
-        Never raises for transfer failures: the result carries the error and the step, so the
-        coordinator can make the collective decision.
+        Never raises: a failure comes back as the result's typed `failure`, so the coordinator
+        can make the collective decision.
         """
         st = self._ws_state()
         rank = st.group_key[1] if st.group_key else -1
@@ -247,30 +262,24 @@ class WeightSyncParticipant:
                 destination=st.destination,
                 config=config,
                 on_progress=self._ws_progress,
+                hooks=self._ws_hooks,
             )
         except Exception as e:  # the coordinator needs a result, not a dead call
-            return RankResult(
-                rank=rank,
-                ok=False,
-                send_bytes=0,
-                recv_bytes=0,
-                seconds=time.monotonic() - started,
-                error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}",
-                step=SyncStep.TRANSFER.value,
-            )
+            failure = _failure(e, st.role, rank if rank >= 0 else None)
+        return RankResult(rank, False, 0, 0, time.monotonic() - started, failure=failure)
 
     def _ws_resolve_plan(self, plan: RankPlan | str, digest: str, rank: int) -> RankPlan:
         st = self._ws_state()
         if st.group is None:
-            raise ParticipantError("ws_run before ws_join: no process group")
+            raise ConnectError("ws_run before ws_join: no process group")
         if isinstance(plan, str):
             if plan not in st.plans:
-                raise ParticipantError(f"plan {plan[:12]} is not cached on rank {rank}; send the plan")
+                raise PlanMismatchError(f"plan {plan[:12]} is not cached on rank {rank}; send the plan")
             plan = st.plans[plan]
         if plan.digest != digest:
-            raise ParticipantError(f"plan digest {plan.digest[:12]} != announced {digest[:12]} (rank {rank})")
+            raise PlanMismatchError(f"plan digest {plan.digest[:12]} != announced {digest[:12]}", rank=rank)
         if plan.rank != rank:
-            raise ParticipantError(f"plan is for rank {plan.rank}, this participant joined as rank {rank}")
+            raise PlanMismatchError(f"plan is for rank {plan.rank}, this participant joined as rank {rank}")
         st.plans = {digest: plan}
         return plan
 
@@ -298,6 +307,16 @@ class WeightSyncParticipant:
         if st.destination is not None:
             st.destination.abort()
         return self.ws_version()
+
+
+def _failure(e: Exception, role: Role, rank: int | None) -> SyncFailure:
+    """A WeightSyncError as it is; anything else is this side's own failure, in one line (the
+    traceback goes to this process's log, never into the failure)."""
+    if isinstance(e, WeightSyncError):
+        return e.located(rank=rank).to_failure()
+    log.exception("rank %s: ws_run failed unexpectedly", rank)
+    kind = SourceError if role is Role.SOURCE else DestinationError
+    return kind(f"rank {rank}: {describe_unexpected(e)}", rank=rank).to_failure()
 
 
 def _placed(coord: RankCoord, tensors: Mapping[str, torch.Tensor]) -> RankCoord:

@@ -1,6 +1,9 @@
 """The runtime's JSON report (DESIGN 6) and progress events: the one wire format shared by the
 runtime and the operator besides the CRD. Serialised camelCase (`model_dump(by_alias=True)`),
 so the operator can copy a summary into the CR's status without renaming.
+
+`SyncFailure` and `SyncStep` are those of `sync_runtime.errors` (one wire type per concept),
+re-exported here with the rest of the report.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
+from sync_runtime.errors import SyncFailure, SyncStep
+
 
 class WireModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
@@ -20,15 +25,6 @@ class WireModel(BaseModel):
 class SyncResult(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
-
-
-class SyncStep(StrEnum):
-    DISCOVER = "discover"
-    PLAN = "plan"
-    CONNECT = "connect"
-    TRANSFER = "transfer"
-    VERIFY = "verify"
-    COMMIT = "commit"
 
 
 class StageSeconds(WireModel):
@@ -47,14 +43,6 @@ class RankBytes(WireModel):
     """Participant (Ray actor) name."""
     send_bytes: int
     recv_bytes: int
-
-
-class SyncFailure(WireModel):
-    reason: str
-    """CamelCase machine-readable reason, e.g. TransferTimeout, ChecksumMismatch, TopologyMismatch."""
-    message: str
-    rank: int | None = None
-    step: SyncStep | None = None
 
 
 class SyncReport(WireModel):
@@ -102,3 +90,17 @@ class NullReporter:
 
     def finished(self, report: SyncReport) -> None:
         pass
+
+
+__all__ = [
+    "NullReporter",
+    "ProgressEvent",
+    "RankBytes",
+    "Reporter",
+    "StageSeconds",
+    "SyncFailure",
+    "SyncReport",
+    "SyncResult",
+    "SyncStep",
+    "WireModel",
+]

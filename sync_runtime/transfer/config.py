@@ -1,9 +1,11 @@
-"""Runtime settings, per-rank results and errors of the transfer engine."""
+"""Runtime settings and per-rank results of the transfer engine (its errors: `sync_runtime.errors`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from sync_runtime.errors import SyncFailure
 
 BackendName = Literal["gloo", "nccl"]
 
@@ -41,29 +43,12 @@ class TransferConfig:
 
 @dataclass(slots=True)
 class RankResult:
-    """What one rank did in one sync. `ok=False` carries an error naming rank, round, peer and step."""
+    """What one rank did in one sync. `ok=False` carries the failure: its reason, rank, step and,
+    where known, the peer and the tensor."""
 
     rank: int
     ok: bool
     send_bytes: int
     recv_bytes: int
     seconds: float
-    error: str | None = None
-    step: str | None = None
-    """SyncStep value of the failure: "plan" (plan/tensor mismatch), "transfer" or "verify" (checksum)."""
-
-
-class TransferError(RuntimeError):
-    """A failure while executing a plan; the message names rank, round, peer and step."""
-
-    def __init__(self, message: str, *, step: str = "transfer") -> None:
-        super().__init__(message)
-        self.step = step
-
-
-class PlanMismatchError(ValueError):
-    """The plan does not fit this rank's tensors; the message names rank, tensor, box and shape."""
-
-
-class StagingError(RuntimeError):
-    """DestinationWeights used out of order (commit without begin, unknown tensor)."""
+    failure: SyncFailure | None = None

@@ -15,6 +15,7 @@ round i+1 only after round i was unpacked. NCCL issues a round as one coalesced 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +24,18 @@ import torch
 
 from sync_runtime.core.layouts.base import Box
 from sync_runtime.core.plan import Bucket, RankPlan
-from sync_runtime.transfer import testing
+from sync_runtime.errors import (
+    ChecksumMismatch,
+    ConnectError,
+    DestinationError,
+    PlanMismatchError,
+    SourceError,
+    SyncFailure,
+    SyncStep,
+    TransferTimeout,
+    WeightSyncError,
+    describe_unexpected,
+)
 from sync_runtime.transfer.buffers import (
     Incoming,
     Outgoing,
@@ -32,16 +44,34 @@ from sync_runtime.transfer.buffers import (
     pack_bucket,
     receive_bucket,
 )
-from sync_runtime.transfer.config import PlanMismatchError, RankResult, TransferConfig, TransferError
-from sync_runtime.transfer.group import SyncGroup
+from sync_runtime.transfer.config import RankResult, TransferConfig
+from sync_runtime.transfer.group import SyncGroup, peer_failed
 from sync_runtime.transfer.staging import DestinationWeights, tiles_exactly
-from sync_runtime.transfer.verify import verify_plan_against_tensors
+from sync_runtime.transfer.verify import preflight
 from sync_runtime.transfer.waiter import Completion, Key, Message, MessageWaiter
 
+log = logging.getLogger("weightsync.transfer")
 ProgressFn = Callable[[int, int], None]
 _TAG_ROUND_SHIFT = 16  # up to 65536 messages per (pair, round); rounds wrap at 2^15, far beyond any plan
 _MsgRef = tuple[int, int]
 """(bucket index in the round, message index in the bucket)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHooks:
+    """An optional observer of one rank's run, called at two fixed points of the engine.
+
+    For tests only: they inject faults exactly where real ones would happen (a byte corrupted
+    after the checksum was taken, a crash or a stall between rounds). Production never passes
+    one (`run_rank_plan(hooks=None)`), so the hot path pays one `is None` check per bucket.
+    """
+
+    after_pack: Callable[[int, Bucket, torch.Tensor], None] | None = None
+    """(round, bucket, tail message) after a bucket was packed and checksummed. The tail holds the
+    small transfers' bytes, then the header of every transfer's checksum: flipping any of its
+    bytes must fail the receiver's verification."""
+    before_round: Callable[[int], None] | None = None
+    """(round) before a round's messages are posted."""
 
 
 @dataclass(slots=True)
@@ -66,6 +96,7 @@ class _Executor:
     config: TransferConfig
     sync_id: int
     on_progress: ProgressFn | None
+    hooks: EngineHooks | None
     device: torch.device = field(init=False)
     waiter: MessageWaiter | None = None
     where: str = "before round 0"
@@ -116,7 +147,7 @@ class _Executor:
         if self.sources is not None and name in self.sources:
             return self.sources[name]
         if self.destination is None:
-            raise PlanMismatchError(f"rank {self.plan.rank}: no source tensor {name!r}")
+            raise PlanMismatchError(f"rank {self.plan.rank}: no source tensor {name!r}", tensor=name)
         return self.destination.staged(name)  # relay: forward the new version, not the live one
 
     def _staged(self, name: str) -> torch.Tensor:
@@ -126,8 +157,8 @@ class _Executor:
     def _pack(self, round_index: int, j: int, bucket: Bucket) -> Outgoing:
         self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
         out = pack_bucket(bucket, self._source, self.device, self.group.buffers, self.config.direct_min_bytes)
-        if testing.HOOKS.after_pack is not None:
-            testing.HOOKS.after_pack(round_index, bucket, out.tail)
+        if self.hooks is not None and self.hooks.after_pack is not None:
+            self.hooks.after_pack(round_index, bucket, out.tail)
         return out
 
     def _pack_round(self, round_index: int, inflight: _Round | None) -> dict[int, Outgoing]:
@@ -140,8 +171,8 @@ class _Executor:
         return out
 
     def _start_round(self, i: int, packed: dict[int, Outgoing] | None) -> _Round:
-        if testing.HOOKS.before_round is not None:
-            testing.HOOKS.before_round(i)
+        if self.hooks is not None and self.hooks.before_round is not None:
+            self.hooks.before_round(i)
         self.where = f"round {i} (posting)"
         flight = _Round(i)
         recv_buckets, send_buckets = self.plan.recvs[i], self.plan.sends[i]
@@ -165,13 +196,17 @@ class _Executor:
             return flight
         for k, work in enumerate(self.group.post([], recvs)):
             b = recv_buckets[flight.recv_refs[k][0]]
-            self._track(flight, work, ("recv", k), f"recv from rank {b.src_rank} ({b.nbytes} bytes)")
+            self._track(
+                flight, work, ("recv", k), f"recv from rank {b.src_rank} ({b.nbytes} bytes)", b.src_rank
+            )
         for j, b in enumerate(send_buckets):
             flight.outgoing[j] = packed[j] if packed is not None else self._pack(i, j, b)
             first = len(flight.send_refs)
             sends = self._send_list(flight, (b,), stags, j)
             for k, work in enumerate(self.group.post(sends, []), start=first):
-                self._track(flight, work, ("send", k), f"send to rank {b.dst_rank} ({b.nbytes} bytes)")
+                self._track(
+                    flight, work, ("send", k), f"send to rank {b.dst_rank} ({b.nbytes} bytes)", b.dst_rank
+                )
         return flight
 
     def _send_list(
@@ -187,9 +222,12 @@ class _Executor:
                 flight.send_refs.append((j, m))
         return sends
 
-    def _track(self, flight: _Round, work: torch.distributed.Work, key: Key, text: str) -> None:
+    def _track(
+        self, flight: _Round, work: torch.distributed.Work, key: Key, text: str, peer: int | None = None
+    ) -> None:
         assert self.waiter is not None
-        self.waiter.add(work, Message(flight.index, key, text, time.monotonic() + self.config.timeout_s))
+        deadline = time.monotonic() + self.config.timeout_s
+        self.waiter.add(work, Message(flight.index, key, text, deadline, peer))
         flight.outstanding.add(key)
 
     def _drain(self, flight: _Round, *, block: bool) -> None:
@@ -207,11 +245,8 @@ class _Executor:
     def _check_peers(self, round_index: int, cause: str | None = None) -> None:
         failure = self.group.peer_failure(self.sync_id)
         if failure is not None:
-            who, why = failure
-            raise TransferError(
-                f"rank {self.plan.rank}: aborted in round {round_index} (step transfer): "
-                f"peer rank {who} failed: {why}" + (f" [local transport error: {cause}]" if cause else "")
-            )
+            local = f" [local transport error: {cause}]" if cause else ""
+            raise peer_failed(self.plan.rank, f"aborted in round {round_index}{local}", failure)
 
     def _complete(self, flight: _Round, done: Completion) -> None:
         msg = done.message
@@ -219,13 +254,17 @@ class _Executor:
             # A transport error is often the echo of a peer's failure (it closed its connections):
             # name the root cause when the peer published one.
             self._check_peers(flight.index, cause=done.error)
-            reason = (
-                f"timed out after {self.config.timeout_s:.1f}s"
-                if "timed out" in done.error.lower()
-                else done.error
-            )
             where = f"rank {self.plan.rank}: round {flight.index}: {msg.description}"
-            raise TransferError(f"{where} failed (step transfer): {reason}")
+            if done.timed_out:
+                raise TransferTimeout(
+                    f"{where} timed out after {self.config.timeout_s:.1f}s",
+                    rank=self.plan.rank,
+                    peer=msg.peer,
+                )
+            # Not a timeout and no published failure: the connection itself broke (a peer died).
+            raise ConnectError(
+                f"{where} failed: {done.error}", rank=self.plan.rank, peer=msg.peer, step=SyncStep.TRANSFER
+            )
         flight.outstanding.discard(msg.key)
         kind, k = msg.key
         if kind in ("recv", "round"):
@@ -260,11 +299,13 @@ class _Executor:
                 self.group.buffers.put(buf)
         if bad:
             t = bad[0]
-            raise TransferError(
+            raise ChecksumMismatch(
                 f"checksum mismatch: rank {self.plan.rank} tensor {t.tensor} from rank {bucket.src_rank} "
-                f"round {flight.index} (step verify; staged {t.dst_name}{list(t.dst_box)}; "
+                f"round {flight.index} (staged {t.dst_name}{list(t.dst_box)}; "
                 f"{len(bad)} bad transfer(s) in the bucket)",
-                step="verify",
+                rank=self.plan.rank,
+                tensor=t.tensor,
+                peer=bucket.src_rank,
             )
         self.recv_bytes += bucket.nbytes
 
@@ -283,7 +324,9 @@ class _Tags:
     def next(self, peer: int) -> int:
         k = self._seen.get(peer, 0)
         if k >= 1 << _TAG_ROUND_SHIFT:
-            raise PlanMismatchError(f"round {self._round}: more than {k} messages with rank {peer}")
+            raise PlanMismatchError(
+                f"round {self._round}: more than {k} messages with rank {peer}", peer=peer
+            )
         self._seen[peer] = k + 1
         return ((self._round << _TAG_ROUND_SHIFT) | k) & 0x7FFFFFFF
 
@@ -296,73 +339,52 @@ def run_rank_plan(
     destination: DestinationWeights | None,
     config: TransferConfig,
     on_progress: ProgressFn | None = None,
+    hooks: EngineHooks | None = None,
 ) -> RankResult:
     """Run this rank's sends and receives of one sync. Never raises for a transfer failure.
 
     Collective: every rank of the group calls it once per sync (even with nothing to move) with
     its RankPlan of the same plan; it returns ok=True only when every rank finished without
-    error. Destination ranks must have called `destination.begin(version)`; the caller commits
-    (all ok) or aborts afterwards. A relay rank's sends read its destination staging.
+    error, else ok=False with the failure (reason, rank, step, peer, tensor). Destination ranks
+    must have called `destination.begin(version)`; the caller commits (all ok) or aborts
+    afterwards. A relay rank's sends read its destination staging. `hooks`: tests only.
     """
     start = time.perf_counter()
     sync_id = group.begin_sync()
-    ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress)
+    ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress, hooks)
     try:
-        _preflight(group, plan, sources, destination, config)
+        preflight(group, plan, sources, destination, config)
         group.agree_digest(sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}")
         ex.run()
         group.finish(sync_id, config.timeout_s, last_round=len(plan.sends) - 1)
     except Exception as e:
-        message, step = _describe_failure(e, plan.rank, ex.where, _peer_failure(group, sync_id))
-        group.report_failure(sync_id, message)
+        failure = _as_error(e, ex, _peer_failure(group, sync_id), is_source=sources is not None).to_failure()
+        group.report_failure(sync_id, failure)
         if ex.waiter is not None:  # a Work may still be in flight; the group keeps it until close()
             ex.waiter.abandon()
             group.adopt(ex.waiter.thread)
-        return RankResult(
-            plan.rank, False, ex.send_bytes, ex.recv_bytes, time.perf_counter() - start, message, step
-        )
+        seconds = time.perf_counter() - start
+        return RankResult(plan.rank, False, ex.send_bytes, ex.recv_bytes, seconds, failure=failure)
     return RankResult(plan.rank, True, ex.send_bytes, ex.recv_bytes, time.perf_counter() - start)
 
 
-def _preflight(
-    group: SyncGroup,
-    plan: RankPlan,
-    sources: Mapping[str, torch.Tensor] | None,
-    destination: DestinationWeights | None,
-    config: TransferConfig,
-) -> None:
-    if config.backend != group.kind:
-        raise TransferError(
-            f"rank {plan.rank}: config.backend={config.backend}, group {group.name} is {group.kind}",
-            step="connect",
-        )
-    if not group.healthy:
-        raise TransferError(
-            f"rank {plan.rank}: group {group.name} saw a failure; close() and reconnect", step="connect"
-        )
-    verify_plan_against_tensors(plan, sources, destination)
-    if any(plan.recvs) and (destination is None or not destination.staging_active):
-        raise TransferError(f"rank {plan.rank}: destination.begin(version) was not called (step transfer)")
-
-
-def _peer_failure(group: SyncGroup, sync_id: int) -> tuple[int, str] | None:
+def _peer_failure(group: SyncGroup, sync_id: int) -> SyncFailure | None:
     try:
         return group.peer_failure(sync_id)
     except Exception:
         return None  # the store itself is gone; describe the local error
 
 
-def _describe_failure(e: Exception, rank: int, where: str, peer: tuple[int, str] | None) -> tuple[str, str]:
-    step = "plan" if isinstance(e, PlanMismatchError) else getattr(e, "step", "transfer")
-    if isinstance(e, TransferError):
-        return str(e), step
-    if peer is not None and not isinstance(e, PlanMismatchError):
+def _as_error(e: Exception, ex: _Executor, peer: SyncFailure | None, *, is_source: bool) -> WeightSyncError:
+    """The typed error of a failed run. An exception the engine did not raise itself (the source's
+    memory is gone, a transport call refused) is the rank's own failure unless a peer failed
+    first; its traceback goes to the log, its one-line description into the failure."""
+    rank = ex.plan.rank
+    if isinstance(e, WeightSyncError):
+        return e.located(rank=rank)
+    if peer is not None:
         # e.g. posting to a peer that already failed and closed its connections: name the cause.
-        who, why = peer
-        return (
-            f"rank {rank}: aborted in {where} (step transfer): peer rank {who} failed: {why} [local: {e}]",
-            step,
-        )
-    # PlanMismatchError names rank, tensor and box; add where it happened, like the rest.
-    kind = "" if isinstance(e, PlanMismatchError) else f"unexpected {type(e).__name__}: "
-    return f"rank {rank}: {where}, no peer (step {step}): {kind}{e}", step
+        return peer_failed(rank, f"aborted in {ex.where} [local: {describe_unexpected(e)}]", peer)
+    log.warning("rank %d: unexpected error in %s", rank, ex.where, exc_info=e)
+    kind = SourceError if is_source else DestinationError  # a rank holding source tensors is a source
+    return kind(f"rank {rank}: {ex.where}: {describe_unexpected(e)}", rank=rank)

@@ -9,7 +9,8 @@ sits under `weightsync/<group_name>/<generation>/`, so several WeightSyncs (and 
 reconnects of one) share the coordinator's TCPStore without colliding.
 
 The store also carries the sync's control plane (DESIGN 2.6): the plan digest every rank must
-agree on, the first failure of a sync (`failed`), and the end-of-sync decision (`end`).
+agree on, the first failure of a sync (`failed`, a SyncFailure as JSON, so a peer reads back who
+failed and why as fields), and the end-of-sync decision (`end`).
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sync_runtime.errors import (
+    ConnectError,
+    PeerFailed,
+    PlanMismatchError,
+    SyncFailure,
+    SyncStep,
+    TransferTimeout,
+    describe_unexpected,
+)
 from sync_runtime.transfer.buffers import BufferPool
-from sync_runtime.transfer.config import TransferError
 
 _END_OK = "ok"
 _END_FAILED = "failed"
-
-
-class ConnectError(TransferError):
-    def __init__(self, message: str) -> None:
-        super().__init__(message, step="connect")
 
 
 def _short(digest: str) -> str:
@@ -91,7 +95,7 @@ class SyncGroup:
         """
         where = f"rank {rank} of {world_size}: connect to group {group_name!r} via {store_host}:{store_port}"
         if backend not in ("gloo", "nccl"):
-            raise ConnectError(f"{where}: backend={backend!r}, must be 'gloo' or 'nccl'")
+            raise ConnectError(f"{where}: backend={backend!r}, must be 'gloo' or 'nccl'", rank=rank)
         timeout = timedelta(seconds=timeout_s)
         try:
             client = dist.TCPStore(
@@ -102,7 +106,7 @@ class SyncGroup:
             store = dist.PrefixStore(str(generation), root)
             pg = _make_backend(dist.PrefixStore("pg", store), rank, world_size, backend, timeout)
         except Exception as e:  # the store and backend raise several unrelated types
-            raise ConnectError(f"{where} failed (step connect): {type(e).__name__}: {e}") from e
+            raise ConnectError(f"{where} failed: {describe_unexpected(e)}", rank=rank) from e
         name = f"{group_name}/{generation}"
         return cls(
             store=store,
@@ -156,26 +160,25 @@ class SyncGroup:
         """Every rank must run the same plan with the same message format (`digest|format`)."""
         agreed = _text(self.store.compare_set(f"sync/{sync_id}/digest", "", digest))
         if agreed != digest:
-            raise TransferError(
+            raise PlanMismatchError(
                 f"rank {self.rank}: plan digest {_short(digest)} differs from the group's {_short(agreed)} "
-                f"(sync {sync_id}, step plan): participants were given different plans or settings",
-                step="plan",
+                f"(sync {sync_id}): participants were given different plans or settings",
+                rank=self.rank,
             )
 
-    def report_failure(self, sync_id: int, message: str) -> None:
+    def report_failure(self, sync_id: int, failure: SyncFailure) -> None:
         """Publish this rank's failure (first writer wins) and end the sync as failed. Best effort."""
         self.healthy = False
         # The store may be the thing that failed; peers then hit their timeouts.
         with contextlib.suppress(Exception):
-            _publish(self.store, sync_id, self.rank, message)
+            _publish(self.store, sync_id, failure)
 
-    def peer_failure(self, sync_id: int) -> tuple[int, str] | None:
-        """(rank, message) of the first rank that failed this sync, if any."""
+    def peer_failure(self, sync_id: int) -> SyncFailure | None:
+        """The first failure published for this sync (by a rank or the coordinator), if any."""
         key = f"sync/{sync_id}/failed"
         if not self.store.check([key]):
             return None
-        rank, _, message = _text(self.store.get(key)).partition("|")
-        return int(rank), message
+        return SyncFailure.model_validate_json(_text(self.store.get(key)))
 
     def finish(self, sync_id: int, timeout_s: float, last_round: int) -> None:
         """Collective end of a sync: returns only when every rank finished its part without error.
@@ -191,16 +194,15 @@ class SyncGroup:
             self.store.wait([f"{prefix}/end"], timedelta(seconds=timeout_s))
         except Exception as e:
             missing = [r for r in range(self.world_size) if not self.store.check([f"{prefix}/ok/{r}"])]
-            raise TransferError(
-                f"rank {self.rank}: end of sync {sync_id} after round {last_round} (step transfer): "
-                f"timed out after {timeout_s:.1f}s waiting for ranks {missing} to finish"
+            raise TransferTimeout(
+                f"rank {self.rank}: end of sync {sync_id} after round {last_round}: "
+                f"timed out after {timeout_s:.1f}s waiting for ranks {missing} to finish",
+                rank=self.rank,
+                peer=missing[0] if len(missing) == 1 else None,
             ) from e
         if _text(self.store.get(f"{prefix}/end")) != _END_OK:
-            failure = self.peer_failure(sync_id)
-            who, why = failure if failure else (-1, "unknown failure")
-            raise TransferError(
-                f"rank {self.rank}: end of sync {sync_id} after round {last_round} (step transfer): "
-                f"peer rank {who} failed: {why}"
+            raise peer_failed(
+                self.rank, f"end of sync {sync_id} after round {last_round}", self.peer_failure(sync_id)
             )
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -227,14 +229,30 @@ class SyncGroup:
         reaper.start()
 
 
+def peer_failed(rank: int, where: str, failure: SyncFailure | None) -> PeerFailed:
+    """This rank's error for a sync another rank (or the coordinator) failed first."""
+    if failure is None:
+        return PeerFailed(
+            f"rank {rank}: {where}: the sync ended as failed", rank=rank, step=SyncStep.TRANSFER
+        )
+    who = f"peer rank {failure.rank}" if failure.rank is not None else "the coordinator"
+    return PeerFailed(
+        f"rank {rank}: {where}: {who} failed ({failure.reason}): {failure.message}",
+        rank=rank,
+        peer=failure.rank,
+        step=SyncStep.TRANSFER,
+    )
+
+
 def publish_failure(
-    store: dist.Store, *, group_name: str, world_size: int, sync_id: int, rank: int, message: str
+    store: dist.Store, *, group_name: str, world_size: int, sync_id: int, failure: SyncFailure
 ) -> bool:
-    """Publish `rank`'s failure of sync `sync_id` on the latest connection of group `group_name`.
+    """Publish `failure` (of rank `failure.rank`) for sync `sync_id` on the latest connection of
+    group `group_name`.
 
     For whoever hosts the store (the coordinator) when a rank cannot publish its own failure
     (it died or hangs): every rank of the sync then aborts within one poll interval instead of
-    at its timeout, with `message` as the named cause. Same effect as the rank's own report:
+    at its timeout, with `failure` as the named cause. Same effect as the rank's own report:
     the first failure of a sync wins, and the sync ends as failed. `world_size` and `sync_id`
     are those the ranks use (SyncGroup.connect, the n-th run_rank_plan on the group, from 1).
     Returns False when no rank ever joined the group (nothing to tell). Raises what the store
@@ -245,7 +263,7 @@ def publish_failure(
     if joined == 0:
         return False
     generation = (joined - 1) // world_size  # the connection the ranks joined last
-    _publish(dist.PrefixStore(str(generation), root), sync_id, rank, message)
+    _publish(dist.PrefixStore(str(generation), root), sync_id, failure)
     return True
 
 
@@ -257,8 +275,8 @@ def _connect_key(world_size: int) -> str:
     return f"connect/{world_size}"
 
 
-def _publish(store: dist.Store, sync_id: int, rank: int, message: str) -> None:
-    store.compare_set(f"sync/{sync_id}/failed", "", f"{rank}|{message}")
+def _publish(store: dist.Store, sync_id: int, failure: SyncFailure) -> None:
+    store.compare_set(f"sync/{sync_id}/failed", "", failure.model_dump_json(by_alias=True))
     store.compare_set(f"sync/{sync_id}/end", "", _END_FAILED)
 
 

@@ -10,8 +10,8 @@ from types import MappingProxyType
 import torch
 
 from sync_runtime.core.layouts.base import Box, box_numel
+from sync_runtime.errors import StagingError
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
-from sync_runtime.transfer.config import StagingError
 
 
 class DestinationWeights:

@@ -19,6 +19,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+_DEADLINE_SLACK_S = 0.05
+"""The transport rounds a wait's timeout to milliseconds: a wait that failed this close to its
+deadline timed out."""
+
 Key = tuple[str, int]
 """("recv", bucket index), ("send", bucket index), or ("round", 0) for a coalesced NCCL round."""
 
@@ -32,13 +36,18 @@ class Message:
     description: str
     """e.g. "recv from rank 3 (4096 bytes)"."""
     deadline: float
+    peer: int | None = None
+    """The rank at the other end; None for a coalesced round (several peers)."""
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
     message: Message
     error: str | None
-    """None when the message completed; otherwise the transport's error text."""
+    """None when the message completed; otherwise the transport's error text (for the message only)."""
+    timed_out: bool = False
+    """The wait failed at its deadline (told by the clock where the transport raised, since gloo
+    and NCCL raise the same exception type for a timeout as for a broken connection)."""
 
 
 class MessageWaiter:
@@ -79,6 +88,10 @@ class MessageWaiter:
                 work.wait(timedelta(seconds=remaining))
             except Exception as e:  # gloo/NCCL raise RuntimeError subclasses with transport text
                 text = str(e).splitlines()[0] if str(e) else type(e).__name__
-                self._done.put(Completion(message, text))
+                self._done.put(Completion(message, text, timed_out=_past(message.deadline)))
                 return  # the sync is lost; the Works behind this one are the group's to drop
             self._done.put(Completion(message, None))
+
+
+def _past(deadline: float) -> bool:
+    return time.monotonic() >= deadline - _DEADLINE_SLACK_S
