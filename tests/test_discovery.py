@@ -26,8 +26,8 @@ from sync_runtime.demo.run import (
     weightsync_spec,
 )
 from sync_runtime.demo.weights import DemoDestination
-from sync_runtime.errors import TopologyMismatchError
-from sync_runtime.runtime.connect import RayFailure, connect_ray
+from sync_runtime.errors import RayUnreachableError, Reason, TopologyMismatchError
+from sync_runtime.runtime.connect import connect_ray
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import Participant, check_side
 from sync_runtime.runtime.participant import ParticipantMeta
@@ -131,8 +131,9 @@ def test_deployments_on_two_ray_clusters_refused():
     src = _ref("megatron")
     other = DeploymentRef(name="e", ray_address="other:6379", actor_prefix="q-", layout="vllm")
     spec = WeightSyncSpec(source=src, destinations=[other], version="v1")
-    with pytest.raises(RayFailure, match="share one Ray cluster"):
+    with pytest.raises(RayUnreachableError, match="share one Ray cluster") as e:
         connect_ray(spec)
+    assert e.value.to_failure().reason == Reason.RAY_UNREACHABLE == "RayClusterUnreachable"
 
 
 # ---- end to end: refused before any byte moves ---------------------------------------------
@@ -158,7 +159,8 @@ def address():
 def _refused_sync(spec: WeightSyncSpec, setup: DemoSetup, *needles: str) -> None:
     report = Coordinator(spec, NullReporter(), manifest=setup.manifest).sync("v1")
     assert report.result is SyncResult.FAILED
-    assert report.failure.reason == "TopologyMismatch" and report.failure.step is SyncStep.DISCOVER
+    assert report.failure.reason == Reason.TOPOLOGY_MISMATCH and report.failure.step is SyncStep.DISCOVER
+    assert not report.failure.retryable  # the loop waits for a new spec instead of retrying
     for needle in needles:
         assert needle in report.failure.message, report.failure.message
     assert report.moved_bytes == 0 and report.stages.transfer == 0 and report.planned_bytes == 0

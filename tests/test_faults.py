@@ -4,8 +4,9 @@ reason, rank and step within the configured timeout (+ margin), nothing may hang
 surviving destination must keep its previous weights and version. After each failure the next
 sync reconnects (the group that saw the failure is never reused) and succeeds.
 
-One deployment serves the module; faults are armed per test through remote methods of
-subclasses that use the engine's test hooks (`sync_runtime.transfer.testing`).
+One deployment serves the module; faults are armed per test through `ws_arm` of participant
+subclasses (`tests.support.faults.FaultArming`): it sets the engine observer (`EngineHooks`) the
+participant's next `ws_run` passes to the engine.
 """
 
 from __future__ import annotations
@@ -30,45 +31,27 @@ from sync_runtime.demo.run import (
     weightsync_spec,
 )
 from sync_runtime.demo.weights import DemoDestination, DemoSource
+from sync_runtime.errors import Reason
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.crd import Transport
 from sync_runtime.schema.report import NullReporter, SyncResult, SyncStep
+from tests.support import faults
+from tests.support.faults import FaultArming
 
 TIMEOUT_S = 4
 MARGIN_S = 8.0
 """Allowed on top of the timeout: the coordinator's own margin plus Ray scheduling on 2 cores."""
 
-# Test-defined actor classes travel by value: workers cannot import this test module by name.
+# Test-defined actor classes travel by value: workers cannot import the test modules by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(faults)
 
 
-class FaultySource(DemoSource):
-    def ws_arm(self, fault: str | None) -> None:
-        from sync_runtime.transfer import testing
-
-        testing.reset_hooks()
-        if fault == "raise":
-
-            def boom(round_index: int) -> None:
-                raise RuntimeError(f"injected trainer failure before round {round_index}")
-
-            testing.HOOKS.before_round = boom
-        elif fault == "corrupt":
-
-            def flip(round_index, bucket, buf) -> None:
-                buf[0] ^= 0xFF  # after the checksum was taken: the receiver must catch it
-
-            testing.HOOKS.after_pack = flip
+class FaultySource(FaultArming, DemoSource):
+    pass
 
 
-class FaultyDestination(DemoDestination):
-    def ws_arm(self, fault: str | None, seconds: float = 0.0) -> None:
-        from sync_runtime.transfer import testing
-
-        testing.reset_hooks()
-        if fault == "sleep":
-            testing.HOOKS.before_round = lambda _round: time.sleep(seconds)
-
+class FaultyDestination(FaultArming, DemoDestination):
     def ws_pid(self) -> int:
         return os.getpid()
 
@@ -122,7 +105,7 @@ def _dest_state(setup: DemoSetup, alive_only: bool = False):
     return out
 
 
-def _fail_and_check(setup, coordinator, version: str, *, reason: str, rank: int | None, step: SyncStep):
+def _fail_and_check(setup, coordinator, version: str, *, reason: Reason, rank: int | None, step: SyncStep):
     before = _dest_state(setup)
     train_step(setup, version)
     started = time.monotonic()
@@ -132,6 +115,7 @@ def _fail_and_check(setup, coordinator, version: str, *, reason: str, rank: int 
     assert report.failure is not None, report
     assert report.failure.reason == reason, report.failure
     assert report.failure.step is step, report.failure
+    assert "Traceback" not in report.failure.message, report.failure
     if rank is not None:
         assert report.failure.rank == rank, report.failure
     assert elapsed < TIMEOUT_S + MARGIN_S, f"failure took {elapsed:.1f}s"
@@ -153,8 +137,10 @@ def _recover(setup, coordinator, version: str) -> None:
 def test_source_raises(deployment):
     setup, coordinator = deployment
     ray.get(_handles(setup, Role.SOURCE)[1].ws_arm.remote("raise"))
-    report = _fail_and_check(setup, coordinator, "v2", reason="SourceError", rank=1, step=SyncStep.TRANSFER)
-    assert "injected trainer failure" in report.failure.message
+    report = _fail_and_check(
+        setup, coordinator, "v2", reason=Reason.SOURCE_ERROR, rank=1, step=SyncStep.TRANSFER
+    )
+    assert "RuntimeError: injected trainer failure before round 0" in report.failure.message
     _recover(setup, coordinator, "v2")
 
 
@@ -163,10 +149,11 @@ def test_checksum_mismatch(deployment):
     for h in _handles(setup, Role.SOURCE):
         ray.get(h.ws_arm.remote("corrupt"))
     report = _fail_and_check(
-        setup, coordinator, "v3", reason="ChecksumMismatch", rank=None, step=SyncStep.VERIFY
+        setup, coordinator, "v3", reason=Reason.CHECKSUM_MISMATCH, rank=None, step=SyncStep.VERIFY
     )
     assert report.failure.rank in (2, 3)  # a destination rank detects it
-    assert "checksum mismatch" in report.failure.message
+    assert report.failure.peer in (0, 1)  # ... in what a source rank sent
+    assert report.failure.tensor, report.failure  # named: the first tensor of the bad bucket
     _recover(setup, coordinator, "v3")
 
 
@@ -175,7 +162,7 @@ def test_timeout_of_a_hung_destination(deployment):
     hung = _handles(setup, Role.DESTINATION)[0]
     ray.get(hung.ws_arm.remote("sleep", TIMEOUT_S * 3))
     report = _fail_and_check(
-        setup, coordinator, "v4", reason="TransferTimeout", rank=2, step=SyncStep.TRANSFER
+        setup, coordinator, "v4", reason=Reason.TRANSFER_TIMEOUT, rank=2, step=SyncStep.TRANSFER
     )
     assert destination_name(setup.dst_prefix, RankCoord(role=Role.DESTINATION)) in report.failure.message
     _recover(setup, coordinator, "v4")
@@ -189,10 +176,10 @@ def test_destination_killed_mid_transfer(deployment):
     killer.start()
     try:
         report = _fail_and_check(
-            setup, coordinator, "v5", reason="ParticipantDied", rank=3, step=SyncStep.TRANSFER
+            setup, coordinator, "v5", reason=Reason.PARTICIPANT_DIED, rank=3, step=SyncStep.TRANSFER
         )
     finally:
         killer.join()
-    assert "died" in report.failure.message
+    assert "the participant died" in report.failure.message
     survivors = _dest_state(setup, alive_only=True)
     assert len(survivors) == 1 and next(iter(survivors.values()))[0] == "v4"

@@ -6,7 +6,6 @@ Rank 0 is the source; ranks 1 and 2 are destinations; rank 1 also relays `b` to 
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator, Mapping
 
@@ -15,8 +14,9 @@ import torch
 
 from sync_runtime.core.plan import Bucket, Round, SyncPlan, Transfer
 from sync_runtime.core.topology import RankCoord, Role
-from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
-from sync_runtime.transfer import testing as fault_hooks
+from sync_runtime.errors import Reason, SyncStep
+from sync_runtime.transfer import DestinationWeights, EngineHooks, SyncGroup, TransferConfig, run_rank_plan
+from tests.support import faults
 from tests.support.local_ranks import LocalWorld, RankContext
 
 WORLD = 3
@@ -96,23 +96,21 @@ class RaisingSources(Mapping[str, torch.Tensor]):
         return 2
 
 
-def _flip_byte_to_rank2(round_index: int, bucket: Bucket, msg: torch.Tensor) -> None:
-    if round_index == 0 and bucket.dst_rank == 2:
-        msg[5] ^= 0x01
+def _to_rank2_in_round0(round_index: int, bucket: Bucket) -> bool:
+    return round_index == 0 and bucket.dst_rank == 2
 
 
-def _exit_before_round1(round_index: int) -> None:
-    if round_index == 1:
-        os._exit(17)
+def _hooks(fault: str, rank: int) -> EngineHooks | None:
+    if fault == "corrupt" and rank == 0:
+        return faults.corrupt_after_pack(offset=5, mask=0x01, only=_to_rank2_in_round0)
+    if fault == "dest_exit" and rank == 2:
+        return faults.exit_before_round(1, code=17)
+    return None
 
 
 def rank_main(ctx: RankContext, seeds: list[int], fault: str, timeout_s: float, direct: int) -> list[dict]:
     """One participant: connect once, run one sync per seed on the same group, report each."""
-    fault_hooks.reset_hooks()
-    if fault == "corrupt" and ctx.rank == 0:
-        fault_hooks.HOOKS.after_pack = _flip_byte_to_rank2
-    if fault == "dest_exit" and ctx.rank == 2:
-        fault_hooks.HOOKS.before_round = _exit_before_round1
+    hooks = _hooks(fault, ctx.rank)
     group = SyncGroup.connect(store_host=ctx.store_host, store_port=ctx.store_port, rank=ctx.rank,
                               world_size=WORLD, backend="gloo", timeout_s=timeout_s,
                               group_name=ctx.group_name)  # fmt: skip
@@ -132,8 +130,8 @@ def rank_main(ctx: RankContext, seeds: list[int], fault: str, timeout_s: float, 
         progress: list[tuple[int, int]] = []
         result = run_rank_plan(group, plan, sources=sources if ctx.rank in (0, 1) else None, destination=dest,
                                config=config, on_progress=lambda d, t, p=progress: p.append((d, t)),
-                               )  # fmt: skip
-        report = {"ok": result.ok, "error": result.error, "step": result.step, "seconds": result.seconds,
+                               hooks=hooks)  # fmt: skip
+        report = {"ok": result.ok, "failure": result.failure, "seconds": result.seconds,
                   "send": result.send_bytes, "recv": result.recv_bytes, "healthy": group.healthy,
                   "progress": progress}  # fmt: skip
         if dest:
@@ -189,10 +187,25 @@ def _assert_collective_failure(reports: list, survivors: list[int], timeout_s: f
         report = reports[rank][-1]
         assert report["ok"] is False, report
         assert report["seconds"] < bound_s, report
-        assert f"rank {rank}" in report["error"] and "round" in report["error"] and "step" in report["error"]
+        failure = report["failure"]
+        assert failure.rank == rank and failure.step is not None, failure
+        assert "round" in failure.message and "Traceback" not in failure.message, failure
         assert not report["healthy"]
         if rank:
             assert report["unchanged"], report
+
+
+def _blamed(reports: list, rank: int):
+    """The failure at the root of `rank`'s: PeerFailed points at the peer, followed to its own."""
+    failure, seen = reports[rank][-1]["failure"], {rank}
+    while (
+        failure.reason == Reason.PEER_FAILED
+        and failure.peer not in seen
+        and isinstance(reports[failure.peer], list)
+    ):
+        seen.add(failure.peer)
+        failure = reports[failure.peer][-1]["failure"]
+    return failure
 
 
 @pytest.mark.parametrize("direct", [DEFAULT_DIRECT, 0])
@@ -200,26 +213,33 @@ def test_checksum_mismatch_fails_every_rank_and_keeps_live_weights(world: LocalW
     # direct=0: the flipped tail byte is in the checksum header, not in A's bytes; caught all the same.
     reports = _run(world, [3], fault="corrupt", timeout_s=4.0, direct=direct)
     _assert_collective_failure(reports, [0, 1, 2], 4.0, bound_s=2.0)
-    err2 = reports[2][0]["error"]
-    assert err2.startswith("checksum mismatch: rank 2 tensor A from rank 0 round 0"), err2
-    assert reports[2][0]["step"] == "verify"
-    assert "peer rank 2 failed: checksum mismatch" in reports[0][0]["error"]
+    caught = reports[2][0]["failure"]
+    assert (caught.reason, caught.rank, caught.tensor, caught.peer) == (Reason.CHECKSUM_MISMATCH, 2, "A", 0)
+    assert caught.step is SyncStep.VERIFY and "round 0" in caught.message, caught
+    told = reports[0][0]["failure"]  # the sender learns who failed, and why, as fields
+    assert (told.reason, told.rank, told.peer) == (Reason.PEER_FAILED, 0, 2), told
+    assert "(ChecksumMismatch)" in told.message and _blamed(reports, 0) == caught, told
 
 
 def test_source_that_raises_before_sending_fails_every_rank_fast(world: LocalWorld) -> None:
     reports = _run(world, [4], fault="raise", timeout_s=4.0)
     _assert_collective_failure(reports, [0, 1, 2], 4.0, bound_s=2.0)
-    assert "source tensor A is unavailable" in reports[0][0]["error"]
-    assert "peer rank 0 failed" in reports[1][0]["error"] and "round 0" in reports[1][0]["error"]
+    own = reports[0][0]["failure"]
+    assert (own.reason, own.rank, own.peer) == (Reason.SOURCE_ERROR, 0, None), own
+    assert "RuntimeError: source tensor A is unavailable" in own.message, own
+    for rank in (1, 2):
+        told = reports[rank][0]["failure"]
+        assert (told.reason, told.rank, told.peer) == (Reason.PEER_FAILED, rank, 0), told
+        assert _blamed(reports, rank) == own
 
 
 def test_peer_that_never_sends_times_out_with_named_peer(world: LocalWorld) -> None:
     reports = _run(world, [5], fault="silent", timeout_s=2.0)
     _assert_collective_failure(reports, [1, 2], 2.0, bound_s=2.0 + 1.5)
-    assert (
-        "round 0: recv from rank 0" in reports[1][0]["error"]
-        and "timed out after 2.0s" in reports[1][0]["error"]
-    )
+    for rank in (1, 2):  # both wait on rank 0; the one that times out second may hear of the first
+        waited = _blamed(reports, rank)
+        assert (waited.reason, waited.peer, waited.step) == (Reason.TRANSFER_TIMEOUT, 0, SyncStep.TRANSFER)
+        assert "round 0: recv from rank 0" in waited.message and "timed out after 2.0s" in waited.message
 
 
 def test_destination_that_exits_mid_transfer(world: LocalWorld) -> None:
@@ -228,4 +248,6 @@ def test_destination_that_exits_mid_transfer(world: LocalWorld) -> None:
     reports = _run(world, [6], fault="dest_exit", timeout_s=4.0)
     assert reports[2].exitcode == 17
     _assert_collective_failure(reports, [0, 1], 4.0, bound_s=4.0 + 1.5)
-    assert "rank 2" in reports[0][0]["error"] and "round 1" in reports[0][0]["error"]
+    for rank in (0, 1):  # both send to rank 2 in round 1
+        lost = _blamed(reports, rank)
+        assert lost.peer == 2 and "round 1" in lost.message, lost

@@ -56,7 +56,7 @@ def planned_rank(ctx: RankContext, scenario: Scenario, seeds: list[int], direct:
             dest.begin(f"v{seed}")
         result = run_rank_plan(group, plan.for_rank(ctx.rank), sources=sources, destination=dest,
                                config=TransferConfig(timeout_s=20.0, direct_min_bytes=direct))  # fmt: skip
-        report = {"ok": result.ok, "error": result.error, "rounds": len(plan.rounds), "relay": plan.relay}
+        report = {"ok": result.ok, "failure": result.failure, "rounds": len(plan.rounds), "relay": plan.relay}
         if dest is not None and result.ok:
             report["version"] = dest.commit()
             report["mismatches"] = mismatches(dict(dest.tensors), rank_tensors(shard, manifest, seed))

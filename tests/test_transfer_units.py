@@ -9,12 +9,17 @@ import torch
 import torch.distributed as dist
 
 from sync_runtime.core.plan import Bucket, RankPlan, Transfer
+from sync_runtime.errors import (
+    ParticipantDied,
+    PeerFailed,
+    PlanMismatchError,
+    Reason,
+    StagingError,
+    SyncStep,
+)
 from sync_runtime.transfer import (
     DestinationWeights,
-    PlanMismatchError,
-    StagingError,
     SyncGroup,
-    TransferError,
     publish_failure,
     verify_plan_against_tensors,
 )
@@ -161,12 +166,14 @@ def test_verify_plan_names_rank_tensor_box_and_shape() -> None:
     verify_plan_against_tensors(plan_src, {"w_src": torch.zeros(2, 8, dtype=torch.bfloat16)}, None)
     with pytest.raises(
         PlanMismatchError, match=r"rank 0: source tensor 'w_src'.*outside local shape \(2, 4\)"
-    ):
+    ) as e:
         verify_plan_against_tensors(plan_src, {"w_src": torch.zeros(2, 4, dtype=torch.bfloat16)}, None)
+    assert (e.value.rank, e.value.tensor, e.value.step) == (0, "w", SyncStep.PLAN)
     with pytest.raises(
         PlanMismatchError, match=r"rank 1: destination tensor 'w_dst'.*torch.float32.*moves 32"
-    ):
+    ) as e:
         verify_plan_against_tensors(plan_dst, None, DestinationWeights({"w_dst": torch.zeros(2, 8)}))
+    assert (e.value.rank, e.value.tensor) == (1, "w")
     with pytest.raises(PlanMismatchError, match="holds no tensor"):
         verify_plan_against_tensors(plan_dst, None, DestinationWeights({}))
 
@@ -192,15 +199,17 @@ def test_publish_failure_reaches_the_ranks_latest_connection() -> None:
         return SyncGroup.connect(store_host="127.0.0.1", store_port=store.port, rank=0, world_size=1,
                                  backend="gloo", timeout_s=10.0, group_name="g")  # fmt: skip
 
-    kw = {"group_name": "g", "world_size": 1, "sync_id": 1, "rank": 0, "message": "died"}
+    died = ParticipantDied("died", rank=0, step=SyncStep.TRANSFER).to_failure()
+    kw = {"group_name": "g", "world_size": 1, "sync_id": 1, "failure": died}
     assert publish_failure(store, **kw) is False  # nobody joined yet
     old, new = connect(), connect()  # a reconnect: generation 1
     try:
         assert new.begin_sync() == 1
         assert publish_failure(store, **kw) is True
-        assert new.peer_failure(1) == (0, "died") and old.peer_failure(1) is None
-        with pytest.raises(TransferError, match="peer rank 0 failed: died"):
+        assert new.peer_failure(1) == died and old.peer_failure(1) is None
+        with pytest.raises(PeerFailed, match=r"peer rank 0 failed \(ParticipantDied\): died") as e:
             new.finish(1, timeout_s=5.0, last_round=0)
+        assert (e.value.rank, e.value.peer, e.value.reason) == (0, 0, Reason.PEER_FAILED)
     finally:
         old.close()
         new.close()

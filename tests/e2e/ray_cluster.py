@@ -16,12 +16,13 @@ The same file is the tests' driver for what the demo CLI does not offer (run wit
     python ray_cluster.py snapshot --namespace NS --prefix P --model M --dst SPEC --seed S
 
 ``gate``: each matching actor's transfer engine waits before every round while file F exists
-(the engine's ``before_round`` test hook, installed with ``__ray_call__``, so the demo's own
-participant classes are used unchanged); a rank that reaches a closed gate touches
-``F.<pid>.reached``, so a test knows the transfer is under way without relying on progress reports.
-``snapshot``: submits one call per destination actor
-that returns its version and tensor checksums in the same task, prints ``submitted``, then compares
-every rank bit-exact with the seeded weights of the version it reports.
+(the engine's ``before_round`` test observer, set as the participant's ``_ws_hooks`` with
+``__ray_call__``, so the demo's own participant classes are used unchanged); a rank that
+reaches a closed gate touches ``F.<pid>.reached``, so a test knows the transfer is under way
+without relying on progress reports.
+``snapshot``: submits one call per destination actor that returns its version and tensor
+checksums in the same task, prints ``submitted``, then compares every rank bit-exact with the
+seeded weights of the version it reports.
 """
 
 from __future__ import annotations
@@ -199,7 +200,7 @@ def _actors(namespace: str, prefix: str) -> list[tuple[str, Any]]:
 
 
 def _install_gate(actor: Any, gate_file: str, max_wait_s: float) -> bool:
-    from sync_runtime.transfer import testing
+    from sync_runtime.transfer import EngineHooks
 
     def gate(_round: int) -> None:
         if not os.path.exists(gate_file):
@@ -209,7 +210,7 @@ def _install_gate(actor: Any, gate_file: str, max_wait_s: float) -> bool:
         while os.path.exists(gate_file) and time.monotonic() < deadline:
             time.sleep(0.05)
 
-    testing.HOOKS.before_round = gate
+    actor._ws_hooks = EngineHooks(before_round=gate)  # what the participant's ws_run hands its engine
     return True
 
 
