@@ -94,7 +94,7 @@ def _method_plan(r: _Rank, plan, dest: DestinationWeights | None) -> float:
                            destination=dest, config=config)  # fmt: skip
     elapsed = time.perf_counter() - start
     if not result.ok:
-        raise RuntimeError(result.error)
+        raise RuntimeError(result.failure.message if result.failure else 'failed')
     if dest is not None:
         dest.commit()
     return elapsed

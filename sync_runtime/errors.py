@@ -130,9 +130,12 @@ class WeightSyncError(Exception):
     def __reduce__(self):  # keyword fields survive pickling (Ray, multiprocessing)
         return (_rebuild, (type(self), self.message, self.rank, self.step, self.tensor, self.peer))
 
+    wire_reason: str | None = None
+    """A reason this runtime does not know (a newer participant's), kept so it is passed on as is."""
+
     def to_failure(self) -> SyncFailure:
         return SyncFailure(
-            reason=self.reason.value,
+            reason=self.wire_reason or self.reason.value,
             message=self.message,
             rank=self.rank,
             step=self.step,
@@ -144,9 +147,12 @@ class WeightSyncError(Exception):
     def from_failure(cls, failure: SyncFailure) -> WeightSyncError:
         """The typed error of a failure read back from the wire."""
         kind = _BY_REASON.get(failure.reason, WeightSyncError)
-        return kind(
+        error = kind(
             failure.message, rank=failure.rank, step=failure.step, tensor=failure.tensor, peer=failure.peer
         )
+        if failure.reason not in _BY_REASON:
+            error.wire_reason = failure.reason
+        return error
 
     def located(self, **fields: int | str | SyncStep | None) -> Self:
         """Fill in location fields that are still unknown (the caller knows more than the raiser)."""

@@ -75,6 +75,7 @@ def test_unknown_reason_reads_back_as_the_base_class() -> None:
     e = WeightSyncError.from_failure(failure)
     assert type(e) is WeightSyncError and e.rank == 1 and e.message == "from a newer runtime"
     assert failure.retryable and failure.root_cause == 1
+    assert e.to_failure().reason == "SomethingNewer"  # passed on, not turned into InternalError
 
 
 def test_root_cause_order_and_retryable() -> None:
