@@ -245,7 +245,12 @@ def _snapshot(trust: Trust) -> dict[str, Any]:
     pods = get_json(trust.kubectl, "pods", "-n", NS, "-l", "app.kubernetes.io/name=weightsync-runtime")
     names = get_json(trust.kubectl, "weightsyncs", "-n", NS)
     return {
-        "other": (other["metadata"]["resourceVersion"], other.get("status", {}).get("syncedVersion")),
+        # Not resourceVersion: OTHER's own runtime and the operator write its status meanwhile.
+        "other": (
+            other["metadata"]["generation"],
+            other.get("status", {}).get("syncedVersion"),
+            (other.get("status", {}).get("runtime") or {}).get("phase") == "Idle",  # what FORGED sets
+        ),
         "own-spec": get_json(trust.kubectl, "weightsync", OWN, "-n", NS)["spec"]["version"],
         "pods": sorted(p["metadata"]["name"] for p in pods["items"]),
         "weightsyncs": sorted(w["metadata"]["name"] for w in names["items"]),
