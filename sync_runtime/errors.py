@@ -48,6 +48,9 @@ class Reason(StrEnum):
     DESTINATION_ERROR = "DestinationError"
     VERIFY_FAILED = "VerifyFailed"
     COMMIT_FAILED = "CommitFailed"
+    SOURCE_CHANGED = "SourceChanged"
+    MIXED_VERSIONS = "MixedVersions"
+    POISONED = "Poisoned"
     INTERNAL_ERROR = "InternalError"
 
 
@@ -77,6 +80,12 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.DESTINATION_ERROR: ReasonInfo(retryable=True, root_cause=1),
     Reason.VERIFY_FAILED: ReasonInfo(retryable=True, root_cause=1),
     Reason.COMMIT_FAILED: ReasonInfo(retryable=True, root_cause=1),
+    # The trainer stepped while its shards were read: the next sync (or snapshot=true) fixes it.
+    Reason.SOURCE_CHANGED: ReasonInfo(retryable=True, root_cause=1),
+    # A replica whose ranks hold different versions, or one left half written by an in-place
+    # sync: it stays out of serving and the next sync resends it in full.
+    Reason.MIXED_VERSIONS: ReasonInfo(retryable=True, root_cause=1),
+    Reason.POISONED: ReasonInfo(retryable=True, root_cause=1),
     Reason.INTERNAL_ERROR: ReasonInfo(retryable=True, root_cause=1),
 }
 
@@ -299,6 +308,27 @@ class VerifyFailed(WeightSyncError, RuntimeError):
 class CommitFailed(WeightSyncError, RuntimeError):
     reason = Reason.COMMIT_FAILED
     step_default = SyncStep.COMMIT
+
+
+class SourceChanged(SourceError):
+    """A source tensor changed between the first byte read and the last (a training step ran
+    during the sync): the bytes sent may mix two steps, so no destination commits them."""
+
+    reason = Reason.SOURCE_CHANGED
+
+
+class MixedVersions(CommitFailed):
+    """The ranks of a replica ended on different versions (one died or failed its commit after
+    the decision): the replica stays out of serving until a sync repairs it."""
+
+    reason = Reason.MIXED_VERSIONS
+
+
+class ReplicaPoisoned(CommitFailed):
+    """An in-place sync failed after bytes had landed in live memory: the replica holds neither
+    version and stays out of serving until a sync resends it in full."""
+
+    reason = Reason.POISONED
 
 
 class InternalError(WeightSyncError, RuntimeError):

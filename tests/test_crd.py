@@ -77,6 +77,8 @@ def full_spec() -> dict:
             "relay": "auto",
             "connectTimeoutSeconds": 30,
             "transferTimeoutSeconds": 60,
+            "staging": "device",
+            "snapshot": True,
         },
         "retry": {"limit": 5, "backoffSeconds": 2, "maxBackoffSeconds": 60},
         "runtime": {
@@ -105,6 +107,7 @@ def test_every_field_parses_from_camel_case() -> None:
         "auto",
     )
     assert (t.connect_timeout_seconds, t.transfer_timeout_seconds) == (30, 60)
+    assert (t.staging, t.snapshot) == ("device", True)
     assert (spec.retry.limit, spec.retry.backoff_seconds, spec.retry.max_backoff_seconds) == (5, 2, 60)
     rt = spec.runtime
     assert rt.node_selector == {"pool": "cpu"} and rt.image == "img:1"
@@ -139,6 +142,8 @@ def test_snake_case_also_accepted_and_unknown_fields_refused() -> None:
     assert ref.model_dump(by_alias=True)["actorPrefix"] == "p"
     with pytest.raises(ValidationError, match="bucketSize"):
         WeightSyncSpec.model_validate({**full_spec(), "transport": {"bucketSize": 1}})
+    with pytest.raises(ValidationError, match="staging"):
+        WeightSyncSpec.model_validate({**full_spec(), "transport": {"staging": "gpu"}})
     with pytest.raises(ValidationError):
         WeightSyncSpec.model_validate({**full_spec(), "destinations": []})
 

@@ -36,7 +36,12 @@ def coordinator() -> SimpleNamespace:
     """Just the state `_ensure_store` and `_group_name` read (no Ray, no participants)."""
     spec = SimpleNamespace(transport=SimpleNamespace(connect_timeout_seconds=5))
     return SimpleNamespace(
-        advertise_host="127.0.0.1", _store=None, spec=spec, _instance="abcd1234", _generation=0
+        advertise_host="127.0.0.1",
+        _store=None,
+        spec=spec,
+        _instance="abcd1234",
+        _generation=0,
+        store_address=None,
     )
 
 

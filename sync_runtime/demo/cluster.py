@@ -112,12 +112,14 @@ def create_participants(
     source_class: ClassFor | None = None,
     dest_class: ClassFor | None = None,
     skip: Callable[[RankCoord], bool] | None = None,
+    max_concurrency: int | None = None,
 ) -> list[Any]:
     """Start one named actor per rank and wait until all are ready.
 
     Sources hold the weights of `src_version`, destinations those of `dst_version`.
     `source_class`/`dest_class` pick a class per rank (tests use faulty subclasses); `skip`
-    leaves ranks out (tests of a missing rank).
+    leaves ranks out (tests of a missing rank). `max_concurrency` > 1 makes threaded actors,
+    whose status calls (and a training step) run while a sync runs on them.
     """
     jobs = [
         (c, source_name(setup.src_prefix, c), (source_class or _default_source)(c), setup.src, src_version)
@@ -132,6 +134,8 @@ def create_participants(
         if skip is not None and skip(coord):
             continue
         options: dict[str, Any] = {"name": name, "namespace": setup.namespace, "num_cpus": 0}
+        if max_concurrency is not None:
+            options["max_concurrency"] = max_concurrency
         if detached:
             options["lifetime"] = "detached"  # outlives this driver (end-to-end clusters)
         handles.append(

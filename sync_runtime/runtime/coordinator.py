@@ -2,8 +2,9 @@
 
 One `Coordinator` lives as long as its WeightSync. A sync is: discover -> plan (cached while the
 topology digest is unchanged) -> connect (the single process group, reused while healthy) ->
-transfer (every rank runs its whole rank plan concurrently) -> verify -> commit or abort (the
-collective decision: commit on every destination only when every rank succeeded). Every
+transfer (every rank runs its whole rank plan concurrently) -> verify -> commit or abort (a
+two-phase commit with its record in the store, commit.py: commit on every destination only when
+every rank prepared; each sync first finishes what an interrupted one left open). Every
 blocking wait has a deadline; any failure is reported as the SyncFailure of a WeightSyncError
 (reason, rank, step, peer, tensor), an unexpected exception as InternalError in one line (its
 traceback goes to the log only).
@@ -26,7 +27,6 @@ from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import Role
 from sync_runtime.errors import (
-    CommitFailed,
     ConnectError,
     InternalError,
     PlanError,
@@ -38,18 +38,29 @@ from sync_runtime.errors import (
 )
 from sync_runtime.planner import PlannerConfig, plan_sync
 from sync_runtime.runtime.calls import call_all
-from sync_runtime.runtime.discovery import DiscoveredSide, Participant, discover_all
+from sync_runtime.runtime.commit import (
+    CommitHooks,
+    Dest,
+    new_txn,
+    open_store,
+    recover,
+    settle,
+    two_phase_commit,
+)
+from sync_runtime.runtime.discovery import DiscoveredSide, discover_all
 from sync_runtime.runtime.drive import backend_for, drive_transfer
 from sync_runtime.runtime.session import Session
 from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import (
     ProgressEvent,
     RankBytes,
+    ReplicaVersion,
     Reporter,
     StageSeconds,
     SyncReport,
     SyncResult,
 )
+from sync_runtime.transfer import CommitRecord
 
 log = logging.getLogger("weightsync.coordinator")
 MiB = 1 << 20
@@ -67,6 +78,9 @@ class _Attempt:
     ranks: list[RankBytes] = dataclasses.field(default_factory=list)
     plan: SyncPlan | None = None
     plan_cached: bool = False
+    replicas: list[ReplicaVersion] = dataclasses.field(default_factory=list)
+    recovered: list[str] = dataclasses.field(default_factory=list)
+    dests: list[Dest] = dataclasses.field(default_factory=list)
 
 
 class Coordinator:
@@ -79,8 +93,14 @@ class Coordinator:
         *,
         advertise_host: str | None = None,
         manifest: Manifest | None = None,
+        store_address: tuple[str, int] | None = None,
+        commit_hooks: CommitHooks | None = None,
     ) -> None:
+        """`store_address`: join a TCPStore hosted elsewhere instead of hosting one, so the commit
+        record outlives this coordinator (a restarted one recovers from it). `commit_hooks`: tests."""
         self.spec = spec
+        self.store_address = store_address
+        self.commit_hooks = commit_hooks
         self.reporter = reporter
         self.advertise_host = advertise_host
         self._manifest = manifest
@@ -138,6 +158,13 @@ class Coordinator:
         manifest, sides, digest = discover_all(self.spec, self._manifest, self._meta_timeout())
         att.stages.discover = time.monotonic() - t
         dests = [p for s in sides[1:] for p in s.participants]
+        rank = len(sides[0].participants)
+        for side in sides[1:]:
+            for p in side.participants:
+                att.dests.append(Dest(rank, p, side.ref.name))
+                rank += 1
+        self._ensure_store()
+        att.replicas, att.recovered = recover(att.dests, self._store, self._rpc_timeout())
         if skip_if_current and all(p.meta.version == att.version for p in dests):
             # Already there (e.g. a runtime restart): report success without moving a byte.
             return self._report(att, None)
@@ -153,16 +180,12 @@ class Coordinator:
         self._verify(session, att, results)
         self._emit(att, SyncStep.COMMIT)
         t = time.monotonic()
-        dst = [p for p in session.participants if p.meta.role is Role.DESTINATION]
-        call_all(
-            [(p, "ws_commit", (att.version,)) for p in dst],
-            timeout_s=self._rpc_timeout(),
-            step=SyncStep.COMMIT,
-            ranks=self._ranks_of(session, dst),
-            error=CommitFailed,
+        record = CommitRecord(self._store, session.txn)
+        att.replicas, failure = two_phase_commit(
+            att.dests, att.version, record, self._rpc_timeout(), self.commit_hooks
         )
         att.stages.commit = time.monotonic() - t
-        return self._report(att, None)
+        return self._report(att, failure)
 
     def _plan(
         self, manifest: Manifest, sides: Sequence[DiscoveredSide], digest: str, att: _Attempt
@@ -237,10 +260,13 @@ class Coordinator:
     def _transfer(self, session: Session, att: _Attempt) -> list:
         self._emit(att, SyncStep.TRANSFER)
         t = time.monotonic()
-        out = drive_transfer(session, self.spec.transport, att.version, self._store, self._progress_sink(att))
+        session.txn = new_txn()
+        out = drive_transfer(
+            session, self.spec.transport, att.version, self._store, self._progress_sink(att), session.txn
+        )
         att.stages.transfer = time.monotonic() - t
         if out.failure is not None:
-            self._abort_all(session, skip=out.unfinished)
+            self._abort_all(session, att, skip=out.unfinished)
             raise WeightSyncError.from_failure(out.failure)
         results = out.results
         session.plans_sent = True
@@ -268,7 +294,7 @@ class Coordinator:
                 expected[b.dst_rank] += b.nbytes
         for rank, r in enumerate(results):
             if r.recv_bytes != expected[rank]:
-                self._abort_all(session)
+                self._abort_all(session, att)
                 raise VerifyFailed(
                     f"rank {rank} ({session.participants[rank].name}) received "
                     f"{r.recv_bytes} bytes, the plan says {expected[rank]}",
@@ -278,9 +304,10 @@ class Coordinator:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _abort_all(self, session: Session, skip: frozenset[int] = frozenset()) -> None:
-        """Drop staging on every destination that answers. A rank still stuck in ws_run is not
-        waited for: it never commits by itself, and the failure flag ends its run."""
+    def _abort_all(self, session: Session, att: _Attempt, skip: frozenset[int] = frozenset()) -> None:
+        """Drop staging on every destination that answers, then report each replica (an in-place
+        one is poisoned now). A rank still stuck in ws_run is not waited for: it never commits by
+        itself (only after a commit decision), and the failure flag ends its run."""
         dst = [
             p
             for rank, p in enumerate(session.participants)
@@ -294,6 +321,8 @@ class Coordinator:
             step=SyncStep.COMMIT,
             raise_on_error=False,
         )
+        answering = [d for d in att.dests if d.rank not in skip]
+        att.replicas = settle(answering, self._rpc_timeout())
 
     def _invalidate_group(self) -> None:
         if self._session is not None:
@@ -311,24 +340,12 @@ class Coordinator:
         return f"ws-{plan.digest[:10]}-{self._instance}-g{self._generation}-{secrets.token_hex(16)}"
 
     def _ensure_store(self) -> tuple[str, int]:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         host = self.advertise_host or os.environ.get("POD_IP") or ray.util.get_node_ip_address()
+        if self.store_address is not None:
+            host = self.store_address[0]
         if self._store is None:
-            import socket
-
-            timeout = timedelta(seconds=self.spec.transport.connect_timeout_seconds)
-            # TCPStore's master listens on every interface whatever `host` says; a socket bound to
-            # the advertised address (port 0: the OS picks) and handed over keeps it off the others.
-            family = socket.AF_INET6 if ":" in host else socket.AF_INET
-            listener = socket.create_server((host, 0), family=family, backlog=1024)
-            port = listener.getsockname()[1]
-            fd = listener.detach()  # the store owns the fd from here on
-            self._store = dist.TCPStore(
-                host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
-            )
+            timeout = float(self.spec.transport.connect_timeout_seconds)
+            self._store = open_store(host, timeout, self.store_address)
         return host, self._store.port
 
     def _meta_timeout(self) -> float:
@@ -336,11 +353,6 @@ class Coordinator:
 
     def _rpc_timeout(self) -> float:
         return min(60.0, float(self.spec.transport.transfer_timeout_seconds)) + 5.0
-
-    @staticmethod
-    def _ranks_of(session: Session, ps: Sequence[Participant]) -> list[int]:
-        index = {id(p): i for i, p in enumerate(session.participants)}
-        return [index[id(p)] for p in ps]
 
     def _emit(self, att: _Attempt, step: SyncStep, done: int = 0) -> None:
         rounds = len(att.plan.rounds) if att.plan else 0
@@ -374,6 +386,8 @@ class Coordinator:
             rounds=len(plan.rounds) if plan else 0,
             transfers=sum(len(b.transfers) for r in plan.rounds for b in r.buckets) if plan else 0,
             relay=plan.relay if plan else False,
+            replicas=att.replicas,
+            recovered=att.recovered,
         )
 
 

@@ -39,7 +39,13 @@ def transfer_config(
 ) -> TransferConfig:
     backend = backend or backend_for([participant], transport)
     device = participant.meta.device if backend == "nccl" else "cpu"
-    return TransferConfig(backend=backend, timeout_s=float(transport.transfer_timeout_seconds), device=device)
+    return TransferConfig(
+        backend=backend,
+        timeout_s=float(transport.transfer_timeout_seconds),
+        device=device,
+        staging=transport.staging,
+        snapshot=transport.snapshot,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +65,7 @@ def drive_transfer(
     version: str,
     store: Any,
     on_progress: Callable[[int], None],
+    txn: str | None = None,
 ) -> Transfer:
     """Run every rank's plan concurrently; all results, or the root cause of the failure."""
     plan, ps = session.plan, session.participants
@@ -70,7 +77,7 @@ def drive_transfer(
     for rank, p in enumerate(ps):
         rank_plan = plan.digest if session.plans_sent else plan.for_rank(rank)
         cfg = transfer_config(transport, p, backend)
-        refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg)] = rank
+        refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg, txn)] = rank
     session.syncs += 1  # the engine numbers syncs per group from 1; keeps the coordinator in step
     margin = deadline_margin(transport.transfer_timeout_seconds)
     deadline = time.monotonic() + transport.transfer_timeout_seconds + margin

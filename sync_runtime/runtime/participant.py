@@ -16,6 +16,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from sync_runtime.core.layouts.base import LocalTensorMeta
 from sync_runtime.core.plan import RankPlan
 from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.errors import (
+    CommitFailed,
     ConnectError,
     DestinationError,
     ParticipantError,
@@ -36,19 +38,23 @@ from sync_runtime.errors import (
     WeightSyncError,
     describe_unexpected,
 )
+from sync_runtime.runtime import participant_txn
+from sync_runtime.runtime.participant_txn import ProgressWriter, ServingControl
 from sync_runtime.transfer import (
+    CommitRecord,
     DestinationWeights,
     EngineHooks,
+    LocalTxn,
     RankResult,
+    Staging,
     SyncGroup,
     TransferConfig,
     run_rank_plan,
+    snapshot,
 )
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 
 log = logging.getLogger("weightsync.participant")
-PROGRESS_INTERVAL_S = 0.1
-"""Least time between two progress writes to the store (each is one round trip)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +83,21 @@ class _State:
     coord: RankCoord
     layout: str
     tensors: dict[str, torch.Tensor]
-    destination: DestinationWeights | None
+    destination: Staging | None
     version: str | None
     model_config: dict[str, Any] | None
     group: SyncGroup | None = None
     group_key: tuple[str, int, int] | None = None
     plans: dict[str, RankPlan] = field(default_factory=dict)
     progress: Any = None
+    serving: bool = True
+    """A destination's engine may serve its live weights; the coordinator pauses a replica
+    before any of its ranks applies a version and resumes it once all of them hold it."""
+    txn: LocalTxn | None = None
+    record: CommitRecord | None = None
+    store_addr: tuple[str, int, float] | None = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    """Serving switch and commit are atomic for an observer (a threaded actor's other calls)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,12 +112,14 @@ def tensor_sha256(t: torch.Tensor) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 
-class WeightSyncParticipant:
+class WeightSyncParticipant(ServingControl):
     """Mixin for a Ray actor that takes part in weight syncs. Call `ws_init` from `__init__`."""
 
     _ws: _State | None = None
     _ws_hooks: EngineHooks | None = None
     """Test-only observer handed to the engine (fault injection); production never sets it."""
+    _ws_before_commit: Any = None
+    """Test-only: called with the staging right before a commit applies it (fault injection)."""
 
     def ws_init(
         self,
@@ -114,14 +130,23 @@ class WeightSyncParticipant:
         tensors: Mapping[str, torch.Tensor],
         version: str | None = None,
         model_config: Mapping[str, Any] | None = None,
+        destination: Staging | None = None,
+        serving: bool = True,
     ) -> None:
-        """Register this actor's shards. A destination's tensors become its committed weights."""
+        """Register this actor's shards. A destination's tensors become its committed weights.
+
+        `destination`: an engine's own `Staging` (default: DestinationWeights over `tensors`).
+        `serving=False`: a destination that (re)joins a replica already running waits for the
+        coordinator to resume it, so it never serves next to ranks of another version.
+        """
         role = Role(role)
         if coord.role is not role:
             raise ParticipantError(f"coord.role={coord.role.value} disagrees with role={role.value}")
         live = dict(tensors)
         coord = _placed(coord, live)
-        dest = DestinationWeights(live, version or "") if role is Role.DESTINATION else None
+        dest = destination
+        if dest is None and role is Role.DESTINATION:
+            dest = DestinationWeights(live, version or "")
         self._ws = _State(
             role=role,
             coord=coord,
@@ -130,6 +155,7 @@ class WeightSyncParticipant:
             destination=dest,
             version=version,
             model_config=dict(model_config) if model_config is not None else None,
+            serving=serving,
         )
 
     # ---- metadata -------------------------------------------------------------------------
@@ -221,7 +247,8 @@ class WeightSyncParticipant:
             group_name=group_name,
         )
         st.group_key = key
-        st.progress = _ProgressWriter(store_host, store_port, group_name, rank, timeout_s)
+        st.progress = ProgressWriter(store_host, store_port, group_name, rank, timeout_s)
+        st.store_addr = (store_host, store_port, timeout_s)
         st.plans.clear()
         return False
 
@@ -242,31 +269,52 @@ class WeightSyncParticipant:
         digest: str,
         version: str,
         config: TransferConfig,
+        txn: str | None = None,
     ) -> RankResult:
         """Run this rank's whole plan for `version`. `plan` may be the digest of a plan sent before.
 
         Never raises: a failure comes back as the result's typed `failure`, so the coordinator
-        can make the collective decision.
+        can make the collective decision. `txn`: the commit record a destination prepares in.
         """
         st = self._ws_state()
         rank = st.group_key[1] if st.group_key else -1
         started = time.monotonic()
         try:
             rank_plan = self._ws_resolve_plan(plan, digest, rank)
+            sources = None
             if st.destination is not None:
-                st.destination.begin(version)
-            return run_rank_plan(
+                self._ws_begin(version, config, txn)
+            else:
+                sources = snapshot(st.tensors, rank) if config.snapshot else st.tensors
+            result = run_rank_plan(
                 st.group,
                 rank_plan,
-                sources=st.tensors if st.destination is None else None,
+                sources=sources,
                 destination=st.destination,
                 config=config,
                 on_progress=self._ws_progress,
                 hooks=self._ws_hooks,
             )
+            if result.ok and st.destination is not None and st.txn is not None and st.record is not None:
+                participant_txn.prepare(st.destination, st.record, st.txn, rank)
+            return result
         except Exception as e:  # the coordinator needs a result, not a dead call
             failure = _failure(e, st.role, rank if rank >= 0 else None)
         return RankResult(rank, False, 0, 0, time.monotonic() - started, failure=failure)
+
+    def _ws_begin(self, version: str, config: TransferConfig, txn: str | None) -> None:
+        st = self._ws_state()
+        assert st.destination is not None
+        if isinstance(st.destination, DestinationWeights):
+            st.destination.set_policy(config.staging)  # type: ignore[arg-type]
+        if config.staging == "inplace":
+            st.serving = False  # live memory is about to be overwritten: the engine must not serve
+        st.destination.begin(version)
+        st.txn = LocalTxn(txn, version) if txn else None
+        st.record = None
+        if txn and st.store_addr is not None:
+            host, port, timeout_s = st.store_addr
+            st.record = participant_txn.connect_record(host, port, txn, timeout_s)
 
     def _ws_resolve_plan(self, plan: RankPlan | str, digest: str, rank: int) -> RankPlan:
         st = self._ws_state()
@@ -294,18 +342,36 @@ class WeightSyncParticipant:
         """Called inside `ws_run` after each completed round (bytes sent + received so far)."""
 
     def ws_commit(self, version: str) -> str | None:
+        """Apply `version` after the coordinator decided commit. A destination refuses a version
+        other than the one it staged and prepared, and bytes that changed since it prepared."""
         st = self._ws_state()
         if st.destination is None:
             st.version = version
             return version
-        # The staging was begun for exactly the version the coordinator commits (ws_run), so a
-        # mismatch here is a coordinator bug; DestinationWeights refuses a commit without begin.
-        return st.destination.commit()
+        with st.lock:
+            return self._ws_commit_locked(st, version)
+
+    def _ws_commit_locked(self, st: _State, version: str) -> str | None:
+        assert st.destination is not None
+        if st.serving:
+            raise CommitFailed(f"commit {version!r} while this rank serves: pause its replica first")
+        rank = st.group_key[1] if st.group_key else None
+        if st.txn is None:  # a sync without a commit record (tests, tools): the staged version only
+            if st.destination.pending_version != version:  # type: ignore[attr-defined]
+                raise CommitFailed(
+                    f"rank {rank}: commit {version!r}, staged is a different version", rank=rank
+                )
+            return st.destination.commit(version)
+        if self._ws_before_commit is not None:
+            self._ws_before_commit(st.destination)
+        return participant_txn.commit(st.destination, st.record, st.txn, rank, version)
 
     def ws_abort(self) -> str | None:
         st = self._ws_state()
         if st.destination is not None:
             st.destination.abort()
+            if st.txn is not None and st.txn.phase != "committed":
+                st.txn.phase = "aborted"
         return self.ws_version()
 
 
@@ -329,23 +395,3 @@ def _placed(coord: RankCoord, tensors: Mapping[str, torch.Tensor]) -> RankCoord:
     if device == default.device and tensors:
         device = str(next(iter(tensors.values())).device)
     return dataclasses.replace(coord, node=node, device=device)
-
-
-class _ProgressWriter:
-    """Publishes this rank's progress to the coordinator's store, at most every PROGRESS_INTERVAL_S."""
-
-    def __init__(self, host: str, port: int, group_name: str, rank: int, timeout_s: float) -> None:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-        self._key = f"{group_name}/progress/{rank}"
-        self._last = 0.0
-
-    def maybe_write(self, done_bytes: int, total_bytes: int) -> None:
-        now = time.monotonic()
-        if now - self._last < PROGRESS_INTERVAL_S and done_bytes < total_bytes:
-            return
-        self._last = now
-        self._store.set(self._key, f"{done_bytes}/{total_bytes}")

@@ -21,3 +21,5 @@ class Session:
     plans_sent: bool = False
     syncs: int = 0
     """ws_run calls issued on the current group (the engine's sync id of the latest one)."""
+    txn: str = ""
+    """Commit record of the latest transfer (`weightsync-txn/<txn>/` in the store)."""

@@ -136,6 +136,11 @@ class Transport(CrdModel):
     relay: Literal["off", "auto", "on"] = "off"
     connect_timeout_seconds: int = Field(120, ge=1)
     transfer_timeout_seconds: int = Field(300, ge=1)
+    staging: Literal["host", "device", "inplace"] = "host"
+    """Where a destination holds a sync's bytes until the commit decision (docs/update-protocol.md):
+    host memory (default), a device shadow copy (2x device memory), or live memory (engine paused)."""
+    snapshot: bool = False
+    """Copy the source shards to host memory first, so the trainer may step during the transfer."""
 
 
 class RetryPolicy(CrdModel):

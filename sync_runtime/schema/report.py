@@ -45,6 +45,28 @@ class RankBytes(WireModel):
     recv_bytes: int
 
 
+class ReplicaState(StrEnum):
+    SERVING = "Serving"
+    """Every rank holds one complete version and the replica serves it."""
+    DEGRADED = "Degraded"
+    """Its ranks hold different versions (reason MixedVersions): kept out of serving."""
+    POISONED = "Poisoned"
+    """An in-place sync failed half way: neither version; kept out of serving."""
+
+
+class ReplicaVersion(WireModel):
+    """One destination replica after a sync: which version it serves, if any."""
+
+    deployment: str
+    replica: int
+    version: str | None
+    """The one version all its ranks hold; None when they disagree or are poisoned."""
+    state: ReplicaState
+    reason: str | None = None
+    rank_versions: list[str | None] = []
+    """Committed version per rank of the replica (None: the rank did not answer)."""
+
+
 class SyncReport(WireModel):
     version: str
     started_at: datetime
@@ -63,6 +85,10 @@ class SyncReport(WireModel):
     rounds: int = 0
     transfers: int = 0
     relay: bool = False
+    replicas: list[ReplicaVersion] = []
+    """Per destination replica after the commit (or the recovery that preceded a failed sync)."""
+    recovered: list[str] = []
+    """What this sync finished of an earlier, interrupted one (roll forward / back)."""
 
 
 class ProgressEvent(WireModel):
@@ -96,6 +122,8 @@ __all__ = [
     "NullReporter",
     "ProgressEvent",
     "RankBytes",
+    "ReplicaState",
+    "ReplicaVersion",
     "Reporter",
     "StageSeconds",
     "SyncFailure",

@@ -27,6 +27,10 @@ class TransferConfig:
     received into staging without a copy where the region is contiguous; smaller ones are packed
     into one message per bucket (fewer, larger messages). Part of the message format: every rank
     of a sync must use the same value (checked with the plan digest)."""
+    staging: str = "host"
+    """Destination staging policy (`host`, `device`, `inplace`; see staging.py)."""
+    snapshot: bool = False
+    """Source: copy the shards to host memory first, so the trainer may step during the sync."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -37,6 +41,8 @@ class TransferConfig:
             raise ValueError(f"backend=nccl needs a CUDA device, got device={self.device!r}")
         if not 0 < self.poll_interval_s <= self.timeout_s:
             raise ValueError(f"poll_interval_s={self.poll_interval_s}: must be in (0, timeout_s]")
+        if self.staging not in ("host", "device", "inplace"):
+            raise ValueError(f"staging={self.staging!r}: must be 'host', 'device' or 'inplace'")
         if self.direct_min_bytes < 0:
             raise ValueError(f"direct_min_bytes={self.direct_min_bytes}: must be >= 0")
 

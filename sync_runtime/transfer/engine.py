@@ -45,8 +45,9 @@ from sync_runtime.transfer.buffers import (
     receive_bucket,
 )
 from sync_runtime.transfer.config import RankResult, TransferConfig
+from sync_runtime.transfer.fence import check_fence, fingerprint
 from sync_runtime.transfer.group import SyncGroup, peer_failed
-from sync_runtime.transfer.staging import DestinationWeights, tiles_exactly
+from sync_runtime.transfer.staging import Staging, tiles_exactly
 from sync_runtime.transfer.verify import preflight
 from sync_runtime.transfer.waiter import Completion, Key, Message, MessageWaiter
 
@@ -92,7 +93,7 @@ class _Executor:
     group: SyncGroup
     plan: RankPlan
     sources: Mapping[str, torch.Tensor] | None
-    destination: DestinationWeights | None
+    destination: Staging | None
     config: TransferConfig
     sync_id: int
     on_progress: ProgressFn | None
@@ -336,7 +337,7 @@ def run_rank_plan(
     plan: RankPlan,
     *,
     sources: Mapping[str, torch.Tensor] | None,
-    destination: DestinationWeights | None,
+    destination: Staging | None,
     config: TransferConfig,
     on_progress: ProgressFn | None = None,
     hooks: EngineHooks | None = None,
@@ -348,14 +349,18 @@ def run_rank_plan(
     error, else ok=False with the failure (reason, rank, step, peer, tensor). Destination ranks
     must have called `destination.begin(version)`; the caller commits (all ok) or aborts
     afterwards. A relay rank's sends read its destination staging. `hooks`: tests only.
+    A source rank fences its tensors (fence.py): one that changed before the end fails the sync.
     """
     start = time.perf_counter()
     sync_id = group.begin_sync()
     ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress, hooks)
     try:
+        fence = fingerprint(sources) if sources is not None else None
         preflight(group, plan, sources, destination, config)
         group.agree_digest(sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}")
         ex.run()
+        if fence is not None:  # before `finish`: every rank then fails with this as the cause
+            check_fence(fence, sources, plan.rank)  # type: ignore[arg-type]
         group.finish(sync_id, config.timeout_s, last_round=len(plan.sends) - 1)
     except Exception as e:
         failure = _as_error(e, ex, _peer_failure(group, sync_id), is_source=sources is not None).to_failure()

@@ -12,11 +12,11 @@ from sync_runtime.core.plan import RankPlan, Transfer
 from sync_runtime.errors import ConnectError, PlanMismatchError, StagingError
 from sync_runtime.transfer.config import TransferConfig
 from sync_runtime.transfer.group import SyncGroup
-from sync_runtime.transfer.staging import DestinationWeights
+from sync_runtime.transfer.staging import Staging
 
 
 def send_source(
-    name: str, sources: Mapping[str, torch.Tensor] | None, destination: DestinationWeights | None
+    name: str, sources: Mapping[str, torch.Tensor] | None, destination: Staging | None
 ) -> torch.Tensor | None:
     """The tensor a send reads: the rank's source tensor, else (relay) the destination's live tensor."""
     if sources is not None and name in sources:
@@ -51,7 +51,7 @@ def _check_box(rank: int, side: str, t: Transfer, name: str, box: Box, tensor: t
 def verify_plan_against_tensors(
     plan: RankPlan,
     sources: Mapping[str, torch.Tensor] | None,
-    destination: DestinationWeights | None,
+    destination: Staging | None,
 ) -> None:
     """Raise PlanMismatchError naming rank, tensor, box and shape if any box does not fit."""
     for round_sends in plan.sends:
@@ -78,7 +78,7 @@ def preflight(
     group: SyncGroup,
     plan: RankPlan,
     sources: Mapping[str, torch.Tensor] | None,
-    destination: DestinationWeights | None,
+    destination: Staging | None,
     config: TransferConfig,
 ) -> None:
     """Everything a rank can check alone before the first byte moves; raises the typed error."""
