@@ -1,0 +1,289 @@
+"""The trainer's push through Kubernetes (`sync_runtime.trainer.KubernetesSync`) against the real
+API server.
+
+First part, the watch logic: a WeightSync in a namespace no operator watches, and a scripted
+"operator" thread writing the status the real one would (with the shared status models), so
+every branch is exact and fast: success returns the report, a stale Synced condition is not
+taken for ours, a failure raises its typed error, a newer version from another writer, a
+deletion, a missing WeightSync, a timeout.
+
+Second part, everything real (Helm-installed operator, runtime pod, the demo's actors in a
+token-authenticated Ray cluster): pushes return the runtime's report; the overhead of the
+Kubernetes path (patch -> Synced, minus the runtime's own sync seconds) is measured over five
+pushes and recorded (`record_property` and stderr), bounded only for sanity; a destination
+killed between pushes makes the next push raise the runtime's typed error with its reason.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import wait_for
+
+from sync_runtime.errors import ParticipantDied, Reason, SyncStep, WeightSyncError
+from sync_runtime.schema.crd import Condition, LastSync, Phase, RuntimeStatus, WeightSyncStatus
+from sync_runtime.schema.report import SyncFailure, SyncReport, SyncResult
+from sync_runtime.trainer import KubernetesSync, PushTimeout, VersionSuperseded, WeightSyncNotFound
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+CRD = REPO / "crds" / "weightsyncs.weightsync.io.yaml"
+GROUP, VERSION, PLURAL = "weightsync.io", "v1alpha1", "weightsyncs"
+
+
+def weightsync(name: str, version: str = "v0", retry_limit: int = 0) -> dict[str, Any]:
+    ref = {"rayAddress": "127.0.0.1:1", "layout": "hf"}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "WeightSync",
+        "metadata": {"name": name},
+        "spec": {
+            "version": version,
+            "allowUnauthenticatedRay": True,
+            "source": {"name": "trainer", "actorPrefix": "t-", **ref},
+            "destinations": [{"name": "rollout", "actorPrefix": "v-", **ref}],
+            "retry": {"limit": retry_limit, "backoffSeconds": 1, "maxBackoffSeconds": 1},
+        },
+    }
+
+
+def _now() -> datetime:
+    return datetime.now(UTC).replace(microsecond=0)
+
+
+def report(version: str, failure: SyncFailure | None = None, seconds: float = 1.25) -> SyncReport:
+    end = _now()
+    return SyncReport(
+        version=version,
+        started_at=end - timedelta(seconds=2),
+        finished_at=end,
+        result=SyncResult.FAILED if failure else SyncResult.SUCCEEDED,
+        failure=failure,
+        planned_bytes=1000,
+        moved_bytes=0 if failure else 1000,
+        seconds=seconds,
+    )
+
+
+def operator_status(
+    generation: int, desired: str, last: SyncReport | None, synced: str | None, phase: Phase
+) -> dict[str, Any]:
+    """What the operator derives for (desired, last report): Synced/Degraded with their reasons."""
+    if synced == desired:
+        cond = ("True", "VersionSynced", f"version {desired} synced")
+    elif last is not None and last.version == desired and last.failure is not None:
+        cond = ("False", last.failure.reason, f"sync of version {desired} failed: {last.failure.reason}")
+    else:
+        cond = ("False", "SyncPending", f"version {desired} not synced yet")
+    degraded = ("True", "SyncFailed", cond[2]) if cond[1] not in ("VersionSynced", "SyncPending") else None
+    t = _now()
+    conditions = [
+        Condition(type="Synced", status=cond[0], reason=cond[1], message=cond[2], last_transition_time=t)
+    ]
+    dstat, dreason, dmsg = degraded or ("False", "AsExpected", "")
+    conditions.append(
+        Condition(type="Degraded", status=dstat, reason=dreason, message=dmsg, last_transition_time=t)
+    )
+    conditions = [c.model_copy(update={"observed_generation": generation}) for c in conditions]
+    last_sync = None
+    runtime = None
+    if last is not None:
+        summary = last.model_dump(include=set(LastSync.model_fields) - {"failure", "stages"})
+        f = last.failure
+        failure = f and {
+            "reason": f.reason,
+            "message": f.message,
+            "rank": f.rank,
+            "step": f.step and f.step.value,
+        }
+        last_sync = LastSync.model_validate({**summary, "failure": failure})
+        runtime = RuntimeStatus(
+            phase="Idle", version=last.version, last_report=last.model_dump(by_alias=True, mode="json")
+        )
+    status = WeightSyncStatus(
+        phase=phase, observed_generation=generation, conditions=conditions, synced_version=synced,
+        last_sync=last_sync, runtime=runtime,
+    )  # fmt: skip
+    return {"status": status.model_dump(by_alias=True, mode="json", exclude_none=True)}
+
+
+class Fake:
+    """The WeightSync `name` in `namespace` and a stand-in operator writing its status."""
+
+    def __init__(self, api: Any, kubectl: Any, namespace: str, name: str, **kw: Any) -> None:
+        self.api, self.namespace, self.name = api, namespace, name
+        kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(weightsync(name, **kw)))
+        self.errors: list[BaseException] = []
+
+    def get(self) -> dict[str, Any]:
+        return self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)  # type: ignore[no-any-return]
+
+    def write(self, body: dict[str, Any]) -> None:
+        self.api.patch_namespaced_custom_object_status(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, body,
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+
+    def set_version(self, version: str) -> None:
+        self.api.patch_namespaced_custom_object(
+            GROUP, VERSION, self.namespace, PLURAL, self.name, {"spec": {"version": version}},
+            _content_type="application/merge-patch+json",
+        )  # fmt: skip
+
+    def after_patch(self, script: Callable[[dict[str, Any]], None]) -> threading.Thread:
+        """Run `script(obj)` once the generation moved (the trainer's patch landed)."""
+        start = int(self.get()["metadata"]["generation"])
+
+        def run() -> None:
+            try:
+                obj = wait_for(
+                    "the trainer's patch",
+                    lambda: (o := self.get())["metadata"]["generation"] > start and o,
+                    30,
+                    0.05,
+                )
+                script(obj)
+            except BaseException as e:  # reported by the test, not lost in the thread
+                self.errors.append(e)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        return thread
+
+
+@pytest.fixture(scope="module")
+def api(control_plane: Any, kubectl: Any) -> Any:
+    from kubernetes import client
+
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    kubectl("wait", "--for=condition=Established", "crd/weightsyncs.weightsync.io", "--timeout=60s")
+    return client.CustomObjectsApi(control_plane.api_client())
+
+
+def test_push_returns_the_report_of_its_version(api: Any, kubectl: Any, namespace: str) -> None:
+    ws = Fake(api, kubectl, namespace, "ok")
+    ws.write(operator_status(1, "v0", report("v0"), "v0", Phase.SYNCED))
+
+    def operator(obj: dict[str, Any]) -> None:
+        gen = obj["metadata"]["generation"]
+        ws.write(operator_status(gen, "v1", report("v0"), "v0", Phase.SYNCING))  # requested, not yet synced
+        time.sleep(0.3)
+        ws.write(operator_status(gen, "v1", report("v1", seconds=2.5), "v1", Phase.SYNCED))
+
+    thread = ws.after_patch(operator)
+    got = KubernetesSync("ok", namespace, api=api, timeout_s=30).push("v1")
+    thread.join(5)
+    assert not ws.errors, ws.errors
+    assert got.version == "v1" and got.result is SyncResult.SUCCEEDED and got.seconds == 2.5
+
+
+def test_a_synced_condition_from_before_the_patch_is_not_taken(
+    api: Any, kubectl: Any, namespace: str
+) -> None:
+    """The stored status already claims syncedVersion=v1 Synced, but for the old generation: the
+    push waits for the operator to observe its patch."""
+    ws = Fake(api, kubectl, namespace, "stale")
+    ws.write(operator_status(1, "v1", report("v1", seconds=9.0), "v1", Phase.SYNCED))
+
+    def operator(obj: dict[str, Any]) -> None:
+        time.sleep(1.0)
+        ws.write(
+            operator_status(
+                obj["metadata"]["generation"], "v1", report("v1", seconds=3.0), "v1", Phase.SYNCED
+            )
+        )
+
+    thread = ws.after_patch(operator)
+    sync = KubernetesSync("stale", namespace, api=api, timeout_s=30)
+    got = sync.push("v1")
+    thread.join(5)
+    assert not ws.errors, ws.errors
+    assert got.seconds == 3.0, "took the Synced condition of the generation before the patch"
+    assert sync.last_push_seconds is not None and sync.last_push_seconds >= 0.9
+
+
+def test_a_failed_sync_raises_its_typed_error(api: Any, kubectl: Any, namespace: str) -> None:
+    ws = Fake(api, kubectl, namespace, "fails")
+    failure = SyncFailure(
+        reason="ParticipantDied", message="actor vllm-r1 died", rank=5, step=SyncStep.TRANSFER
+    )
+
+    def operator(obj: dict[str, Any]) -> None:
+        ws.write(
+            operator_status(obj["metadata"]["generation"], "v1", report("v1", failure), None, Phase.FAILED)
+        )
+
+    ws.after_patch(operator)
+    with pytest.raises(WeightSyncError) as caught:
+        KubernetesSync("fails", namespace, api=api, timeout_s=30).push("v1")
+    err = caught.value
+    assert isinstance(err, ParticipantDied) and err.reason is Reason.PARTICIPANT_DIED
+    assert (err.rank, err.step) == (5, SyncStep.TRANSFER)
+    assert "failed: ParticipantDied" in err.message  # the Synced condition's message
+
+
+def test_a_retryable_failure_waits_for_the_runtimes_retries(api: Any, kubectl: Any, namespace: str) -> None:
+    """retry.limit 1: the first failed attempt is not the answer; the retry's success is."""
+    ws = Fake(api, kubectl, namespace, "retry", retry_limit=1)
+    failure = SyncFailure(reason="TransferTimeout", message="rank 3 waited 60s", rank=3)
+
+    def operator(obj: dict[str, Any]) -> None:
+        gen = obj["metadata"]["generation"]
+        ws.write(operator_status(gen, "v1", report("v1", failure), None, Phase.FAILED))
+        time.sleep(1.2)  # finishedAt has second precision: the retry's report must differ
+        ws.write(operator_status(gen, "v1", report("v1"), "v1", Phase.SYNCED))
+
+    ws.after_patch(operator)
+    got = KubernetesSync("retry", namespace, api=api, timeout_s=30).push("v1")
+    assert got.result is SyncResult.SUCCEEDED and not ws.errors
+
+
+def test_a_newer_version_from_another_writer_supersedes(api: Any, kubectl: Any, namespace: str) -> None:
+    ws = Fake(api, kubectl, namespace, "raced")
+
+    def other_writer(obj: dict[str, Any]) -> None:
+        ws.set_version("v2")  # e.g. a second trainer process
+        gen = ws.get()["metadata"]["generation"]
+        ws.write(operator_status(gen, "v2", None, None, Phase.SYNCING))
+        ws.write(operator_status(gen, "v2", report("v2"), "v2", Phase.SYNCED))
+
+    ws.after_patch(other_writer)
+    with pytest.raises(VersionSuperseded) as caught:
+        KubernetesSync("raced", namespace, api=api, timeout_s=30).push("v1")
+    assert (caught.value.version, caught.value.newer) == ("v1", "v2")
+
+
+def test_a_missing_or_deleted_weightsync_is_a_clear_error(api: Any, kubectl: Any, namespace: str) -> None:
+    with pytest.raises(WeightSyncNotFound, match=f"{namespace}/nope does not exist"):
+        KubernetesSync("nope", namespace, api=api).push("v1")
+    ws = Fake(api, kubectl, namespace, "gone")
+    ws.after_patch(lambda _: kubectl("delete", "weightsync", "gone", "-n", namespace, "--wait=false"))
+    with pytest.raises(WeightSyncNotFound) as caught:
+        KubernetesSync("gone", namespace, api=api, timeout_s=30).push("v1")
+    assert caught.value.deleted
+
+
+def test_no_outcome_by_the_deadline_raises_a_timeout(api: Any, kubectl: Any, namespace: str) -> None:
+    ws = Fake(api, kubectl, namespace, "silent")
+    ws.write(operator_status(1, "v0", report("v0"), "v0", Phase.SYNCED))
+    ws.after_patch(
+        lambda obj: ws.write(
+            operator_status(obj["metadata"]["generation"], "v1", report("v0"), "v0", Phase.SYNCING)
+        )
+    )
+    t0 = time.monotonic()
+    with pytest.raises(PushTimeout) as caught:
+        KubernetesSync("silent", namespace, api=api).push("v1", timeout_s=3)
+    took = time.monotonic() - t0
+    err = caught.value
+    assert err.version == "v1" and err.phase == "Syncing" and err.reason == "SyncPending", err
+    assert "v1" in str(err) and "Syncing" in str(err)
+    assert 2.5 <= took < 20, took
