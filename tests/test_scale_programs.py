@@ -78,12 +78,14 @@ def _perturbations(program: RankPlan) -> list[RankPlan]:
     swapped = tuple((changed, *r[1:]) if i == index else r for i, r in enumerate(side))
     after = (index + 1) % len(side)  # the bucket one round later (dropped if there is one round)
     late = tuple(r[1:] if i == index else (*r, bucket) if i == after else r for i, r in enumerate(side))
-    field = "recvs" if side is program.recvs else "sends"
-    return [
-        dataclasses.replace(program, **{field: swapped}),
-        dataclasses.replace(program, **{field: late}),
-        dataclasses.replace(program, digest=program.digest[::-1]),
-    ]
+
+    def with_side(new: tuple) -> RankPlan:
+        if side is program.recvs:
+            return RankPlan(program.rank, program.digest, program.sends, new)
+        return RankPlan(program.rank, program.digest, new, program.recvs)
+
+    reversed_digest = RankPlan(program.rank, program.digest[::-1], program.sends, program.recvs)
+    return [with_side(swapped), with_side(late), reversed_digest]
 
 
 @pytest.mark.parametrize("case", CASES[:3])

@@ -60,14 +60,117 @@ class Round:
     buckets: tuple[Bucket, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class RankPlan:
-    """What one rank does: per round, the buckets it sends and the buckets it receives."""
+PerRound = tuple[tuple[Bucket, ...], ...]
+BOX_FIELDS = 5
+"""Leading int columns of a packed transfer row: tensor, src_name, dst_name, src ndim, dst ndim."""
 
-    rank: int
-    digest: str
-    sends: tuple[tuple[Bucket, ...], ...]
-    recvs: tuple[tuple[Bucket, ...], ...]
+
+def _box(flat: list[int]) -> tuple[tuple[int, int], ...]:
+    return tuple(zip(flat[::2], flat[1::2], strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class PackedSide:
+    """One direction of a rank's program as arrays (what travels to the rank, see `RankPlan`).
+
+    `buckets` rows: round, src, dst, nbytes, transfer count (int64). `transfers` rows (int32):
+    tensor, src_name, dst_name (indices into the program's names), the two boxes' ndims, then
+    the src box and the dst box, each `width` (lo, hi) pairs, zero-padded. `nbytes`: per transfer.
+    """
+
+    buckets: np.ndarray
+    transfers: np.ndarray
+    nbytes: np.ndarray
+
+    def unpack(self, names: tuple[str, ...], width: int, n_rounds: int) -> PerRound:
+        out: list[list[Bucket]] = [[] for _ in range(n_rounds)]
+        rows, sizes = self.transfers.tolist(), self.nbytes.tolist()
+        at, w = 0, BOX_FIELDS + 2 * width
+        for rnd, src, dst, nbytes, count in self.buckets.tolist():
+            ts = []
+            for row, n in zip(rows[at : at + count], sizes[at : at + count], strict=True):
+                sb, db = row[BOX_FIELDS : BOX_FIELDS + 2 * row[3]], row[w : w + 2 * row[4]]
+                sb, db = _box(sb), _box(db)
+                ts.append(Transfer(src, dst, names[row[0]], names[row[1]], sb, names[row[2]], db, n))
+            at += count
+            out[rnd].append(Bucket(src, dst, tuple(ts), nbytes))
+        return tuple(tuple(r) for r in out)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedProgram:
+    """A rank's program as arrays and a names table: ~10x cheaper to cut and pickle than objects."""
+
+    n_rounds: int
+    names: tuple[str, ...]
+    width: int
+    sends: PackedSide
+    recvs: PackedSide
+
+
+class RankPlan:
+    """What one rank does: per round, the buckets it sends and the buckets it receives.
+
+    Built either from bucket tuples or from a `PackedProgram`; a packed plan pickles as its
+    arrays and builds its `Bucket`/`Transfer` objects on first access, on the rank that runs it.
+    """
+
+    __slots__ = ("_packed", "_recvs", "_sends", "digest", "rank")
+
+    def __init__(
+        self,
+        rank: int,
+        digest: str,
+        sends: PerRound | None = None,
+        recvs: PerRound | None = None,
+        *,
+        packed: PackedProgram | None = None,
+    ):
+        if (sends is None or recvs is None) == (packed is None):
+            raise ValueError("RankPlan needs sends and recvs, or a packed program")
+        self.rank, self.digest = rank, digest
+        self._sends, self._recvs, self._packed = sends, recvs, packed
+
+    def _unpack(self) -> None:
+        p = self._packed
+        assert p is not None
+        self._sends = p.sends.unpack(p.names, p.width, p.n_rounds)
+        self._recvs = p.recvs.unpack(p.names, p.width, p.n_rounds)
+
+    @property
+    def sends(self) -> PerRound:
+        if self._sends is None:
+            self._unpack()
+        assert self._sends is not None
+        return self._sends
+
+    @property
+    def recvs(self) -> PerRound:
+        if self._recvs is None:
+            self._unpack()
+        assert self._recvs is not None
+        return self._recvs
+
+    def __reduce__(self) -> tuple:
+        if self._packed is not None:
+            return (_packed_plan, (self.rank, self.digest, self._packed))
+        return (RankPlan, (self.rank, self.digest, self._sends, self._recvs))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, RankPlan):
+            return NotImplemented
+        mine, theirs = (self.rank, self.digest), (other.rank, other.digest)
+        return mine == theirs and self.sends == other.sends and self.recvs == other.recvs
+
+    def __hash__(self) -> int:
+        return hash((self.rank, self.digest))
+
+    def __repr__(self) -> str:
+        return f"RankPlan(rank={self.rank}, digest={self.digest[:16]!r})"
+
+
+def _packed_plan(rank: int, digest: str, packed: PackedProgram) -> RankPlan:
+    return RankPlan(rank, digest, packed=packed)
 
 
 class RankPrograms(Protocol):
@@ -83,6 +186,10 @@ class RankPrograms(Protocol):
 
     def all_rounds(self) -> tuple[Round, ...]:
         """Every bucket, as objects (large plans: costly; for tools and small plans)."""
+        ...
+
+    def rank_plan(self, rank: int, digest: str) -> RankPlan:
+        """`rank`'s program (compact storages answer with a packed one)."""
         ...
 
     def bucket_rows(self) -> np.ndarray:
@@ -116,6 +223,9 @@ class _RoundIndex:
 
     def all_rounds(self) -> tuple[Round, ...]:
         return self._rounds
+
+    def rank_plan(self, rank: int, digest: str) -> RankPlan:
+        return RankPlan(rank, digest, *self.rank_buckets(rank))
 
     def bucket_rows(self) -> np.ndarray:
         rows = [(i, b.src_rank, b.dst_rank, b.nbytes) for i, r in enumerate(self._rounds) for b in r.buckets]
@@ -172,8 +282,7 @@ class SyncPlan:
 
     def for_rank(self, rank: int) -> RankPlan:
         """`rank`'s program; costs its own buckets, not the plan's (indices built once)."""
-        sends, recvs = self._index().rank_buckets(rank)
-        return RankPlan(rank=rank, digest=self.digest, sends=sends, recvs=recvs)
+        return self._index().rank_plan(rank, self.digest)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SyncPlan):

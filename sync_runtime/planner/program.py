@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sync_runtime.core.plan import Bucket, Round, Transfer
+from sync_runtime.core.plan import Bucket, RankPlan, Round, Transfer
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.senders import Choice
+from sync_runtime.planner.tables import NeedTable
 
 Segments = list[tuple[tuple[int, ...], list[int]]]
 """A needs list's holder sets, in first-appearance order, with their need indices."""
@@ -146,6 +147,16 @@ class PairBook:
             out.append(Transfer(src, dst, need.tensor, name, box, need.dst_name, need.dst_box, need.nbytes))
         return tuple(out)
 
+    def table(self) -> NeedTable:
+        """The needs and patterns as flat columns (for cutting packed rank programs)."""
+        lists: dict[int, int] = {}
+        for p in self.patterns:
+            lists.setdefault(id(p.needs), len(lists))
+        by_id = {id(p.needs): p.needs for p in self.patterns}
+        return NeedTable(
+            [by_id[i] for i in lists], [(lists[id(p.needs)], p.order, p.bounds) for p in self.patterns]
+        )
+
     def content_hash(self) -> bytes:
         """sha256 of what every transfer is made of: needs, patterns, pairs (for the digest)."""
         h = hashlib.sha256()
@@ -182,6 +193,8 @@ class CompactPrograms:
         self._dst_at = np.concatenate([[0], np.cumsum(np.bincount(self.dst, minlength=n_ranks))])
         self.n_ranks = n_ranks
         self._nbytes = self.bucket_tables()[0]
+        self._pattern = np.asarray(book.pair_pattern, dtype=np.int64)
+        self._table: NeedTable | None = None
 
     def bucket_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Per row: bytes and transfer count (from the patterns, vectorised)."""
@@ -208,6 +221,17 @@ class CompactPrograms:
         sends = self._by_src[self._src_at[rank] : self._src_at[rank + 1]]
         recvs = self._by_dst[self._dst_at[rank] : self._dst_at[rank + 1]]
         return self._per_round(sends), self._per_round(recvs)
+
+    def rank_plan(self, rank: int, digest: str) -> RankPlan:
+        """`rank`'s packed program: gathers over its own rows (see tables.py), no objects."""
+        if self._table is None:
+            self._table = self.book.table()
+        sides = []
+        for order, at in ((self._by_src, self._src_at), (self._by_dst, self._dst_at)):
+            rows = order[at[rank] : at[rank + 1]] if rank < self.n_ranks else order[:0]
+            cols = (self.round, self.src, self.dst, self.k, self.relayed, self._nbytes)
+            sides.append(self._table.side([c[rows] for c in cols], self._pattern[self.pair[rows]]))
+        return RankPlan(rank, digest, packed=self._table.program(self.n_rounds, sides[0], sides[1]))
 
     def bucket_rows(self) -> np.ndarray:
         sizes, _ = self.bucket_tables()
