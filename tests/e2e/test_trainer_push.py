@@ -17,17 +17,23 @@ killed between pushes makes the next push raise the runtime's typed error with i
 from __future__ import annotations
 
 import json
+import os
+import statistics
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import wait_for
+import yaml
+from controlplane import free_port
+from helpers import condition, get_json, wait_for
+from ray_cluster import RayCluster
 
-from sync_runtime.errors import ParticipantDied, Reason, SyncStep, WeightSyncError
+from sync_runtime.errors import ParticipantDied, Reason, SyncStep, TopologyMismatchError, WeightSyncError
 from sync_runtime.schema.crd import Condition, LastSync, Phase, RuntimeStatus, WeightSyncStatus
 from sync_runtime.schema.report import SyncFailure, SyncReport, SyncResult
 from sync_runtime.trainer import KubernetesSync, PushTimeout, VersionSuperseded, WeightSyncNotFound
@@ -287,3 +293,143 @@ def test_no_outcome_by_the_deadline_raises_a_timeout(api: Any, kubectl: Any, nam
     assert err.version == "v1" and err.phase == "Syncing" and err.reason == "SyncPending", err
     assert "v1" in str(err) and "Syncing" in str(err)
     assert 2.5 <= took < 20, took
+
+
+# ---- everything real: the operator, its runtime pod, the demo's actors ---------------------------
+
+CHART = REPO / "charts" / "weightsync-operator"
+FULL_NS, RELEASE, WS, SECRET = "ws-trainer", "wstr", "policy", "ray-token"
+RAY_NS, MODEL, SRC, DST, SEED = "e2e-trainer", "tiny-llama", "tp=2", "tp=2,replicas=2", 13
+SYNC_TIMEOUT = 240.0
+"""A first sync through a fresh runtime pod on a loaded 2-core machine (imports torch, joins Ray)."""
+BENCH_PUSHES = int(os.environ.get("WS_PUSH_BENCH_N", "5"))
+BENCH_JSON = os.environ.get("WS_PUSH_BENCH_JSON")
+"""bench/k8s_push_bench.py runs the overhead test and reads its figures from this file."""
+
+
+def _demo(cluster: RayCluster, *args: str) -> None:
+    cluster.run(
+        "weightsync", "demo", *args, "--ray-address", cluster.address, "--namespace", RAY_NS,
+        "--model", MODEL, "--src", SRC, "--dst", DST, "--src-prefix", "trainer-", "--dst-prefix", "vllm-",
+        "--seed", str(SEED),
+    )  # fmt: skip
+
+
+def _full_manifest(address: str) -> dict[str, Any]:
+    def ref(name: str, prefix: str, layout: str, parallelism: dict[str, int]) -> dict[str, Any]:
+        return {
+            "name": name, "rayAddress": address, "rayNamespace": RAY_NS, "actorPrefix": prefix,
+            "layout": layout, "parallelism": parallelism,
+            "authSecretRef": {"name": SECRET, "key": "auth_token"},
+        }  # fmt: skip
+
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "WeightSync",
+        "metadata": {"name": WS, "namespace": FULL_NS},
+        "spec": {
+            "version": "v0",
+            "model": MODEL,
+            "source": ref("trainer", "trainer-", "megatron", {"tp": 2}),
+            "destinations": [ref("rollout", "vllm-", "vllm", {"tp": 2, "replicas": 2})],
+            "transport": {
+                "bucketMb": 1,
+                "stagingBudgetMb": 8,
+                "connectTimeoutSeconds": 60,
+                "transferTimeoutSeconds": 60,
+            },
+            "retry": {"limit": 3, "backoffSeconds": 1, "maxBackoffSeconds": 5},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(
+    control_plane: Any,
+    node_agent: Any,
+    kubectl: Any,
+    helm: Any,
+    ray_cluster: RayCluster,
+    tmp_path_factory: Any,
+) -> Iterator[KubernetesSync]:
+    """Helm release (single-namespace mode) + the demo's participants + the WeightSync at v0."""
+    from kubernetes import client
+
+    kubectl("create", "namespace", FULL_NS)
+    wait_for("default ServiceAccount", lambda: get_json(kubectl, "sa", "default", "-n", FULL_NS), 30)
+    kubectl(
+        "create", "secret", "generic", SECRET, "-n", FULL_NS, f"--from-literal=auth_token={ray_cluster.token}"
+    )
+    values = {
+        "watchNamespace": FULL_NS,
+        "operator": {"command": ["kopf"], "healthPort": 0, "reconcileIntervalSeconds": 1},
+        "bindAddress": "127.0.0.1",
+        "metrics": {"port": free_port()},
+    }
+    path = tmp_path_factory.mktemp("helm-trainer") / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    helm(
+        "install",
+        RELEASE,
+        str(CHART),
+        "-n",
+        FULL_NS,
+        "-f",
+        str(path),
+        "--wait",
+        "--timeout",
+        "3m",
+        timeout=240,
+    )
+    _demo(ray_cluster, "--participants-only", "--version", "v1", "--stale-version", "v0")
+    kubectl("apply", "-f", "-", input=json.dumps(_full_manifest(ray_cluster.address)))
+    try:
+        yield KubernetesSync(WS, FULL_NS, api=client.CustomObjectsApi(control_plane.api_client()))
+    finally:
+        helm("uninstall", RELEASE, "-n", FULL_NS, "--wait", check=False, timeout=120)
+        kubectl("delete", "namespace", FULL_NS, "--wait=false", check=False)
+
+
+def test_push_through_the_operator_returns_the_runtimes_report(
+    stack: KubernetesSync, ray_cluster: RayCluster
+) -> None:
+    """The sources hold v1 (participants-only): the first push also waits for the runtime pod."""
+    got = stack.push("v1", timeout_s=SYNC_TIMEOUT)
+    assert got.version == "v1" and got.result is SyncResult.SUCCEEDED and got.moved_bytes > 0
+    assert got.ranks, "the runtime's full report (status.runtime.lastReport) carries per-rank bytes"
+    _demo(ray_cluster, "--verify-only", "--expect-version", "v1")  # exits non-zero unless bit-exact
+
+
+def test_overhead_of_the_kubernetes_path(stack: KubernetesSync, record_property: Any) -> None:
+    """Patch -> Synced seen by the trainer, minus the runtime's own sync seconds, median of five
+    warm pushes. Recorded, not asserted beyond sanity: the figure depends on the machine's load.
+    (Version labels only: the sources keep their weights; the runtime moves the same bytes.)"""
+    stack.push("warm", timeout_s=SYNC_TIMEOUT)  # the runtime pod is up and the plan cached
+    rows = []
+    for i in range(BENCH_PUSHES):
+        report = stack.push(f"bench-{i}", timeout_s=120)
+        wall = stack.last_push_seconds
+        assert wall is not None
+        rows.append({"wall_s": wall, "runtime_s": report.seconds, "overhead_s": wall - report.seconds})
+    median = statistics.median(r["overhead_s"] for r in rows)
+    record_property("k8s_push_overhead_median_s", round(median, 4))
+    print(f"k8s push overhead: median {median:.3f}s over {len(rows)} pushes: {rows}", file=sys.stderr)
+    if BENCH_JSON:
+        Path(BENCH_JSON).write_text(json.dumps({"median_overhead_s": median, "pushes": rows}, indent=2))
+    assert all(r["runtime_s"] > 0 and r["wall_s"] >= r["runtime_s"] for r in rows), rows
+    assert 0 < median < 60, rows
+
+
+def test_a_killed_destination_makes_the_next_push_raise_the_runtimes_error(
+    stack: KubernetesSync, ray_cluster: RayCluster, kubectl: Any
+) -> None:
+    """One destination rank is gone before the push: discovery finds 3 of 4 ranks, the runtime
+    reports TopologyMismatch (not retryable), and the push raises exactly that typed error."""
+    ray_cluster.driver("kill", "--namespace", RAY_NS, "--name", "vllm-r1-pp0-tp1")
+    with pytest.raises(WeightSyncError) as caught:
+        stack.push("after-kill", timeout_s=120)
+    err = caught.value
+    assert isinstance(err, TopologyMismatchError) and err.reason is Reason.TOPOLOGY_MISMATCH, err
+    assert err.step is SyncStep.DISCOVER and "missing rank" in err.message
+    synced = condition(get_json(kubectl, "weightsync", WS, "-n", FULL_NS), "Synced")
+    assert synced is not None and synced["reason"] == err.reason.value, synced
