@@ -8,7 +8,7 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test test-engines lint unit e2e bench bench-plan bench-scale bench-transfer chart-crds k8s-bins
+.PHONY: demo test test-engines lint unit e2e bench bench-plan bench-scale bench-transfer bench-k8s chart-crds k8s-bins
 
 demo:
 	@V=$$(bash tools/venv.sh); $$V/bin/weightsync demo $(ARGS)
@@ -48,6 +48,10 @@ bench-scale:
 
 bench-transfer:
 	@V=$$(bash tools/venv.sh); $$V/bin/python bench/transfer_bench.py $(ARGS)
+
+# The trainer's push through Kubernetes: patch -> Synced minus the runtime's sync (e2e setup).
+bench-k8s: k8s-bins
+	@V=$$(bash tools/venv.sh); $$V/bin/python bench/k8s_push_bench.py $(ARGS)
 
 # The chart ships the CRD in its crds/ folder; the top-level crds/ is the source of truth.
 chart-crds:
