@@ -19,7 +19,8 @@ extras = project["optional-dependencies"]
 print("\n".join(project["dependencies"] + extras["plot"] + extras["dev"] + extras["engines"]))
 PY
 )"
-key="$(printf '%s\n' "$requirements" | cat - "$root/constraints.txt" <("$python" --version) | sha256sum | cut -c1-12)"
+# Comments in constraints.txt (and the engine env's "#vllm-env" pins) do not change this venv.
+key="$(printf '%s\n' "$requirements" | cat - <(grep -v '^#' "$root/constraints.txt") <("$python" --version) | sha256sum | cut -c1-12)"
 venv="$cache/venv-py312-$key"
 mkdir -p "$cache"
 exec 9>"$cache/venv.lock"
