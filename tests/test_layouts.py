@@ -34,7 +34,7 @@ def canon_of(m: Manifest, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def local(layout: str, m: Manifest, spec: ParallelSpec, canon, **coord: int) -> dict[str, np.ndarray]:
-    role = SRC if layout == "megatron" else DST
+    role = SRC if layout.startswith("megatron") else DST
     return materialize(get_layout(layout).shard(m, spec, RankCoord(role=role, **coord)), canon)
 
 
@@ -177,9 +177,13 @@ def test_megatron_linear_qkv_groups(t: int) -> None:
         np.testing.assert_array_equal(
             got[M0 + "self_attention.k_layernorm.weight"], c[L0 + "self_attn.k_norm.weight"]
         )
+        # Local spec (what Megatron-Core builds without TE): the norm is a module of its own.
+        np.testing.assert_array_equal(got[M0 + "input_layernorm.weight"], c[L0 + "input_layernorm.weight"])
+        te = local("megatron-te", m, ParallelSpec(tp=t), c, tp_rank=r)  # TE fuses it into linear_qkv
         np.testing.assert_array_equal(
-            got[M0 + "self_attention.linear_qkv.layer_norm_weight"], c[L0 + "input_layernorm.weight"]
+            te[M0 + "self_attention.linear_qkv.layer_norm_weight"], c[L0 + "input_layernorm.weight"]
         )
+        assert M0 + "input_layernorm.weight" not in te
 
 
 def test_megatron_qkv_bias_grouped() -> None:
@@ -202,9 +206,15 @@ def test_megatron_mlp_and_proj() -> None:
         np.testing.assert_array_equal(
             got[M0 + "mlp.linear_fc2.weight"], c[L0 + "mlp.down_proj.weight"][:, rows]
         )
+        # Local spec: pre_mlp_layernorm in dense layers too; TE fuses it into linear_fc1.
         np.testing.assert_array_equal(
-            got[M0 + "mlp.linear_fc1.layer_norm_weight"], c[L0 + "post_attention_layernorm.weight"]
+            got[M0 + "pre_mlp_layernorm.weight"], c[L0 + "post_attention_layernorm.weight"]
         )
+        te = local("megatron-te", m, ParallelSpec(tp=2), c, tp_rank=r)
+        np.testing.assert_array_equal(
+            te[M0 + "mlp.linear_fc1.layer_norm_weight"], c[L0 + "post_attention_layernorm.weight"]
+        )
+        np.testing.assert_array_equal(te[M0 + "mlp.linear_fc1.weight"], fc1)
         np.testing.assert_array_equal(
             got[M0 + "self_attention.linear_proj.weight"],
             c[L0 + "self_attn.o_proj.weight"][:, r * 64 : (r + 1) * 64],
@@ -287,8 +297,11 @@ def test_megatron_uneven_pp_local_indices() -> None:
     np.testing.assert_array_equal(
         s1["decoder.layers.1.mlp.linear_fc2.weight"], c["model.layers.2.mlp.down_proj.weight"]
     )
-    default = local("megatron", m, ParallelSpec(pp=2), c, pp_rank=0)  # first L % p stages get one more
-    assert "decoder.layers.1.mlp.linear_fc2.weight" in default
+    # Megatron-Core refuses L % pp != 0 without explicit stage sizes (it never gives the first
+    # stages an extra layer): so does the layout, whichever naming.
+    for name in ("megatron", "megatron-te"):
+        with pytest.raises(LayoutError, match=r"pp: L=3 layers not divisible by pp=2 .*layer_counts"):
+            get_layout(name).validate(m, ParallelSpec(pp=2))
 
 
 def test_megatron_dp_replicas_identical() -> None:
@@ -332,7 +345,9 @@ def test_hf_full_and_tp_sharded() -> None:
 def all_shards(layout: str, m: Manifest, spec: ParallelSpec) -> list[RankShard]:
     lay = get_layout(layout)
     lay.validate(m, spec)
-    return [lay.shard(m, spec, c) for c in enumerate_ranks(spec, SRC if layout == "megatron" else DST)]
+    return [
+        lay.shard(m, spec, c) for c in enumerate_ranks(spec, SRC if layout.startswith("megatron") else DST)
+    ]
 
 
 def assert_round_trip(layout: str, m: Manifest, spec: ParallelSpec) -> None:
@@ -363,6 +378,7 @@ DENSE = ["tiny-llama", "tiny-llama-tied", "tiny-qwen2", "tiny-qwen3"]
 GRID = {
     "vllm": ["tp=1", "tp=2", "tp=4", "tp=2,pp=2", "tp=4,pp=2,replicas=2", "pp=2,layers=1+1"],
     "megatron": ["tp=1", "tp=2", "tp=2,dp=2", "tp=2,pp=2", "pp=2,vpp=2", "tp=2,pp=2,layers=1+1"],
+    "megatron-te": ["tp=2", "tp=2,pp=2,layers=1+1"],
     "hf": ["tp=1", "tp=1,dp=2", "tp=2", "tp=4,pp=2"],
 }
 
@@ -458,7 +474,9 @@ def test_uncovered_tensor_is_an_error(layout: str) -> None:
 
 
 def test_unknown_layout() -> None:
-    with pytest.raises(LayoutError, match=r"unknown layout 'fsdp' \(known: hf, megatron, vllm\)"):
+    with pytest.raises(
+        LayoutError, match=r"unknown layout 'fsdp' \(known: hf, megatron, megatron-te, vllm\)"
+    ):
         get_layout("fsdp")
 
 

@@ -27,7 +27,7 @@ def model(preset: str, **overrides: object) -> Manifest:
 
 
 def local(layout: str, m: Manifest, spec: ParallelSpec, canon, **coord: int) -> dict[str, np.ndarray]:
-    role = SRC if layout == "megatron" else DST
+    role = SRC if layout.startswith("megatron") else DST
     return materialize(get_layout(layout).shard(m, spec, RankCoord(role=role, **coord)), canon)
 
 
@@ -88,16 +88,24 @@ def test_megatron_experts_ep() -> None:
         for k in range(2):
             e = coord.ep_rank * 2 + k
             fc1 = np.concatenate([expert(c, 0, e, "gate"), expert(c, 0, e, "up")])
-            np.testing.assert_array_equal(got[f"{M0}mlp.experts.linear_fc1.weight{k}"], fc1)
+            # Local spec (SequentialMLP): one module per local expert k.
+            np.testing.assert_array_equal(got[f"{M0}mlp.experts.local_experts.{k}.linear_fc1.weight"], fc1)
             np.testing.assert_array_equal(
-                got[f"{M0}mlp.experts.linear_fc2.weight{k}"], expert(c, 0, e, "down")
+                got[f"{M0}mlp.experts.local_experts.{k}.linear_fc2.weight"], expert(c, 0, e, "down")
             )
-        assert f"{M0}mlp.experts.linear_fc1.weight2" not in got
+            # TE spec (TEGroupedMLP): one grouped module, weight{k} per local expert.
+            te = materialize(get_layout("megatron-te").shard(m, spec, coord), c)
+            np.testing.assert_array_equal(te[f"{M0}mlp.experts.linear_fc1.weight{k}"], fc1)
+            np.testing.assert_array_equal(
+                te[f"{M0}mlp.experts.linear_fc2.weight{k}"], expert(c, 0, e, "down")
+            )
+        assert f"{M0}mlp.experts.local_experts.2.linear_fc1.weight" not in got
         np.testing.assert_array_equal(got[M0 + "mlp.router.weight"], c[L0 + "mlp.gate.weight"])
         np.testing.assert_array_equal(
             got[M0 + "pre_mlp_layernorm.weight"], c[L0 + "post_attention_layernorm.weight"]
         )
-        assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in got  # the dense layer
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in got  # the dense layer (local spec)
+        assert "decoder.layers.1.mlp.linear_fc1.layer_norm_weight" in te  # the dense layer (TE)
 
 
 def test_megatron_experts_etp_uses_reported_coords() -> None:
@@ -110,10 +118,9 @@ def test_megatron_experts_etp_uses_reported_coords() -> None:
     for k in range(4):
         e = 4 + k
         fc1 = np.concatenate([expert(c, 2, e, "gate")[rows], expert(c, 2, e, "up")[rows]])
-        np.testing.assert_array_equal(got[f"decoder.layers.2.mlp.experts.linear_fc1.weight{k}"], fc1)
-        np.testing.assert_array_equal(
-            got[f"decoder.layers.2.mlp.experts.linear_fc2.weight{k}"], expert(c, 2, e, "down")[:, rows]
-        )
+        x = f"decoder.layers.2.mlp.experts.local_experts.{k}."
+        np.testing.assert_array_equal(got[x + "linear_fc1.weight"], fc1)
+        np.testing.assert_array_equal(got[x + "linear_fc2.weight"], expert(c, 2, e, "down")[:, rows])
 
 
 # ---------------------------------------------------------------- MLA (deepseek_v3)
@@ -158,18 +165,33 @@ def test_megatron_mla() -> None:
     m = model("tiny-deepseek-v3")
     c = canon_of(m)
     got = local("megatron", m, ParallelSpec(tp=2, ep=2), c, tp_rank=1, ep_rank=1)
+    te = local("megatron-te", m, ParallelSpec(tp=2, ep=2), c, tp_rank=1, ep_rank=1)
     a, d = A, "decoder.layers.1.self_attention."
-    pairs = {
-        "linear_q_down_proj.weight": c[a + "q_a_proj.weight"],
-        "linear_q_up_proj.layer_norm_weight": c[a + "q_a_layernorm.weight"],
+    shared = {
         "linear_q_up_proj.weight": c[a + "q_b_proj.weight"][48:96],
-        "linear_kv_down_proj.weight": c[a + "kv_a_proj_with_mqa.weight"],
-        "linear_kv_up_proj.layer_norm_weight": c[a + "kv_a_layernorm.weight"],
         "linear_kv_up_proj.weight": c[a + "kv_b_proj.weight"][64:128],
         "linear_proj.weight": c[a + "o_proj.weight"][:, 32:64],
     }
-    for name, want in pairs.items():
-        np.testing.assert_array_equal(got[d + name], want, err_msg=name)
+    # Local spec: the down-projections are ColumnParallelLinear (q_lora=48 -> rows 24:48;
+    # kv_lora+rope=40 -> rows 20:40, across the [kv_lora; rope] boundary); norms are modules.
+    pairs = {
+        **shared,
+        "linear_q_down_proj.weight": c[a + "q_a_proj.weight"][24:48],
+        "q_layernorm.weight": c[a + "q_a_layernorm.weight"],
+        "linear_kv_down_proj.weight": c[a + "kv_a_proj_with_mqa.weight"][20:40],
+        "kv_layernorm.weight": c[a + "kv_a_layernorm.weight"],
+    }
+    # TE spec: duplicated down-projections, norms fused into the up-projections.
+    te_pairs = {
+        **shared,
+        "linear_q_down_proj.weight": c[a + "q_a_proj.weight"],
+        "linear_q_up_proj.layer_norm_weight": c[a + "q_a_layernorm.weight"],
+        "linear_kv_down_proj.weight": c[a + "kv_a_proj_with_mqa.weight"],
+        "linear_kv_up_proj.layer_norm_weight": c[a + "kv_a_layernorm.weight"],
+    }
+    for held, want_all in ((got, pairs), (te, te_pairs)):
+        for name, want in want_all.items():
+            np.testing.assert_array_equal(held[d + name], want, err_msg=name)
     np.testing.assert_array_equal(
         got["decoder.layers.1.input_layernorm.weight"], c["model.layers.1.input_layernorm.weight"]
     )
@@ -182,7 +204,10 @@ def test_megatron_mla() -> None:
         np.concatenate([c[s + "gate_proj.weight"][16:], c[s + "up_proj.weight"][16:]]),
     )
     np.testing.assert_array_equal(
-        got["decoder.layers.1.mlp.experts.linear_fc2.weight3"], expert(c, 1, 7, "down")
+        got["decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"], expert(c, 1, 7, "down")
+    )
+    np.testing.assert_array_equal(
+        te["decoder.layers.1.mlp.experts.linear_fc2.weight3"], expert(c, 1, 7, "down")
     )
 
 
@@ -197,7 +222,14 @@ def test_mla_without_q_lora() -> None:
     d = "decoder.layers.1.self_attention."
     np.testing.assert_array_equal(g[d + "linear_q_proj.weight"], c[A + "q_proj.weight"][48:96])
     np.testing.assert_array_equal(
-        g[d + "linear_q_proj.layer_norm_weight"], c["model.layers.1.input_layernorm.weight"]
+        g["decoder.layers.1.input_layernorm.weight"], c["model.layers.1.input_layernorm.weight"]
+    )
+    np.testing.assert_array_equal(
+        g[d + "linear_kv_down_proj.weight"], c[A + "kv_a_proj_with_mqa.weight"][20:40]
+    )
+    te = local("megatron-te", m, ParallelSpec(tp=2), c, tp_rank=1)
+    np.testing.assert_array_equal(
+        te[d + "linear_q_proj.layer_norm_weight"], c["model.layers.1.input_layernorm.weight"]
     )
 
 
@@ -211,9 +243,8 @@ GRID = {
         "tp=2,dp=2,ep=4",
         "tp=2,dp=2,ep=2,etp=2",
         "tp=2,dp=4,ep=8",
-        "tp=1,pp=3",
-        "tp=2,pp=2,dp=2,ep=4",
     ],
+    "megatron-te": ["tp=2,ep=2", "tp=2,dp=2,ep=2,etp=2"],
     "hf": ["tp=1", "tp=2", "tp=4,ep=4", "tp=2,pp=2"],
 }
 
@@ -221,6 +252,21 @@ GRID = {
 @pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
 @pytest.mark.parametrize(("layout", "spec"), [(lay, s) for lay, specs in GRID.items() for s in specs])
 def test_round_trip_moe_mla(layout: str, spec: str, preset: str) -> None:
+    assert_round_trip(layout, model(preset), ParallelSpec.parse(spec))
+
+
+# Megatron splits PP evenly (L % pp == 0): the PP cases are per preset (qwen3-moe L=4, dsv3 L=3).
+PP_CASES = [
+    ("tiny-qwen3-moe", "tp=2,pp=2,dp=2,ep=4"),
+    ("tiny-qwen3-moe", "tp=1,pp=4"),
+    ("tiny-deepseek-v3", "tp=1,pp=3"),
+    ("tiny-deepseek-v3", "tp=2,pp=3,dp=2,ep=4"),
+]
+
+
+@pytest.mark.parametrize("layout", ["megatron", "megatron-te"])
+@pytest.mark.parametrize(("preset", "spec"), PP_CASES)
+def test_round_trip_megatron_pp(layout: str, preset: str, spec: str) -> None:
     assert_round_trip(layout, model(preset), ParallelSpec.parse(spec))
 
 
@@ -290,7 +336,9 @@ def test_vllm_ep_experts_not_divisible() -> None:
 
 def test_kimi_k2_shard_speed() -> None:
     m = build_manifest(load_model_config("kimi-k2"))
-    src, dst = ParallelSpec(tp=8, pp=8, dp=4, ep=32), ParallelSpec(tp=16, ep=16)
+    # 61 layers over 8 stages: Megatron needs explicit stage sizes (its layout string) for that.
+    counts = (8, 8, 8, 8, 8, 7, 7, 7)
+    src, dst = ParallelSpec(tp=8, pp=8, dp=4, ep=32, layer_counts=counts), ParallelSpec(tp=16, ep=16)
     src_ranks, dst_ranks = enumerate_ranks(src, SRC), enumerate_ranks(dst, DST)
     meg, vl = MegatronLayout(), VllmLayout()  # fresh caches
     start = time.process_time()

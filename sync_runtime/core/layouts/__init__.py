@@ -1,14 +1,21 @@
-"""Layout conventions (DESIGN 4) as data: `get_layout("megatron" | "vllm" | "hf")`."""
+"""Layout conventions (DESIGN 4) as data: `get_layout("megatron" | "megatron-te" | "vllm" | "hf")`."""
 
 from __future__ import annotations
 
 from sync_runtime.core.layouts.base import Layout
 from sync_runtime.core.layouts.hf import HfLayout
-from sync_runtime.core.layouts.megatron import MegatronLayout
+from sync_runtime.core.layouts.megatron import TE, MegatronLayout
 from sync_runtime.core.layouts.vllm import VllmLayout
 from sync_runtime.errors import LayoutError
 
-LAYOUTS: dict[str, Layout] = {"hf": HfLayout(), "megatron": MegatronLayout(), "vllm": VllmLayout()}
+# "megatron": Megatron-Core's local spec (what runs without Transformer Engine); "megatron-te":
+# the same model built with the Transformer Engine spec, whose norm and expert names differ.
+LAYOUTS: dict[str, Layout] = {
+    "hf": HfLayout(),
+    "megatron": MegatronLayout(),
+    "megatron-te": MegatronLayout(TE),
+    "vllm": VllmLayout(),
+}
 
 
 def get_layout(name: str) -> Layout:

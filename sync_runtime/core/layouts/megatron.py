@@ -1,27 +1,43 @@
-"""The `megatron` layout (DESIGN 4.2), source side: TP t, PP p (+ VPP v), DP, EP ep, ETP etp.
+"""The `megatron` and `megatron-te` layouts (DESIGN 4.2, corrected to Megatron-Core 0.19.2), source side.
 
-Names are Megatron-Core's (TE spec), with local layer indices j inside each model chunk:
+TP t, PP p (+ VPP v), DP, EP ep, ETP etp. Names are those of a live `GPTModel.named_parameters()`
+(plus the persistent buffer `mlp.router.expert_bias`), with local layer indices j inside each
+model chunk. Two naming schemes, one per layout, because the spec a model is built with decides
+its names (DESIGN 4.5; the engine reports which one it holds):
+- `megatron`: the local spec (`get_gpt_layer_local_spec` / `get_gpt_decoder_block_spec(
+  use_transformer_engine=False)`), the one that runs without Transformer Engine. Norms are
+  modules of their own: `input_layernorm.weight`, `pre_mlp_layernorm.weight` (dense AND MoE
+  layers), MLA `self_attention.q_layernorm.weight` / `kv_layernorm.weight`. Routed experts are
+  `mlp.experts.local_experts.{k}.linear_fc{1,2}.weight` (SequentialMLP). MLA down-projections
+  `linear_q_down_proj` / `linear_kv_down_proj` are ColumnParallelLinear: rows r-th of t (the
+  kv_down split cuts across the [kv_lora; rope] boundary: Megatron gathers it in forward).
+- `megatron-te`: the Transformer Engine spec. Norms fused into the next linear:
+  `linear_qkv.layer_norm_weight` (= input_layernorm), `mlp.linear_fc1.layer_norm_weight` (dense
+  post_attention_layernorm; MoE layers keep `pre_mlp_layernorm.weight`), MLA
+  `linear_q_up_proj.layer_norm_weight` / `linear_kv_up_proj.layer_norm_weight`; MLA
+  down-projections duplicated on every TP rank (TELinear parallel_mode="duplicated"); routed
+  experts grouped, `mlp.experts.linear_fc1.weight{k}` / `linear_fc2.weight{k}` (TEGroupedMLP).
+Common to both:
 - GQA: `self_attention.linear_qkv.{weight,bias}` grouped per query group g (rank r holds groups
-  r-th of t of nkv): [q heads of g; k_g; v_g]; `linear_qkv.layer_norm_weight` = input_layernorm;
-  `q_layernorm`/`k_layernorm` = q_norm/k_norm; `linear_proj` = o_proj (columns).
-- MLA (names as Megatron-Bridge maps DeepSeek-V3): `input_layernorm.weight`;
-  `linear_q_down_proj` = q_a_proj and `linear_kv_down_proj` = kv_a_proj_with_mqa (duplicated on
-  every TP rank); `linear_q_up_proj` = q_b_proj and `linear_kv_up_proj` = kv_b_proj
-  (rows r-th of t), their `.layer_norm_weight` = q_a_layernorm / kv_a_layernorm. Without
-  q_lora_rank: `linear_q_proj` = q_proj (rows) and `linear_q_proj.layer_norm_weight` =
-  input_layernorm.
-- Dense MLP: `mlp.linear_fc1.weight` = [gate r-th; up r-th], `.layer_norm_weight` =
-  post_attention_layernorm, `mlp.linear_fc2.weight` = down (columns).
-- MoE layer: `pre_mlp_layernorm.weight` = post_attention_layernorm; `mlp.router.weight` (+
-  `mlp.router.expert_bias` = e_score_correction_bias); `mlp.shared_experts.linear_fc1/linear_fc2`
-  TP-sharded like a dense MLP; expert e on EP rank e // (E/ep) as `mlp.experts.linear_fc1.weight{k}`
-  ([gate; up] rows etp_rank-th of etp) and `mlp.experts.linear_fc2.weight{k}` (columns), k = e % (E/ep).
-- Embedding / output layer: rows r-th of t over V padded to a multiple of 128*t, padding zero.
-  Tied: the chunk holding the output layer keeps a copy `output_layer.weight` of the embedding
-  (an alternative sender) unless it also holds the embedding (p*v == 1), as Megatron does.
-VPP: chunk c of stage s holds block b = c*p + s, names prefixed `chunk{c}.` when v > 1. Blocks have
-L/(p*v) layers (L % (p*v) != 0 is an error), or, with explicit per-stage `layer_counts`, stage s's
-blocks have layer_counts[s]/v layers each (each count must divide by v), in block order.
+  r-th of t of nkv): [q heads of g; k_g; v_g]; `q_layernorm`/`k_layernorm` = q_norm/k_norm;
+  `linear_proj` = o_proj (columns r-th of t).
+- MLA: `linear_q_up_proj` = q_b_proj, `linear_kv_up_proj` = kv_b_proj (rows r-th of t); without
+  q_lora_rank `linear_q_proj` = q_proj (rows).
+- MLP `linear_fc1` = [gate rows r-th of t; up rows r-th of t] (Megatron's partition_stride=2),
+  `linear_fc2` = down (columns); shared experts the same under `mlp.shared_experts.`; router
+  `mlp.router.weight` full (+ `mlp.router.expert_bias` = e_score_correction_bias, fp32 buffer).
+  Expert e lives on EP rank e // (E/ep) as local expert k = e % (E/ep), [gate; up] rows
+  etp_rank-th of etp and down columns etp_rank-th of etp.
+- Embedding / output layer: rows r-th of t over V padded to a multiple of 128*t (the caller
+  pads; GPTModel takes the padded size), padding rows not synced. Tied: the chunk holding the
+  output layer keeps a copy `output_layer.weight` of the embedding (an alternative sender)
+  unless it also holds the embedding (p*v == 1), as Megatron does.
+PP: Megatron requires L % p == 0 unless explicit per-stage counts are given (ParallelSpec
+`layer_counts`, Megatron's `num_layers_in_first/last_pipeline_stage` or layout string); it never
+gives extra layers to the first stages. VPP: chunk c of stage s holds block b = c*p + s; blocks
+have L/(p*v) layers, or with `layer_counts` stage s's blocks have layer_counts[s]/v layers each.
+The `chunk{c}.` name prefix (v > 1) is OUR convention: Megatron keeps chunks as separate
+GPTModel objects in a list, without a prefix; the engine adds it.
 EP/ETP ranks come from the reported coordinate (coord.ep_rank, coord.etp_rank); DP ranks and
 expert-DP ranks hold identical copies.
 """
@@ -29,6 +45,7 @@ expert-DP ranks hold identical copies.
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from sync_runtime.core.layouts._rules import (
     EMBED,
@@ -49,16 +66,53 @@ from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, stage_laye
 from sync_runtime.errors import LayoutError, TopologyError
 
 NAME = "megatron"
+TE_NAME = "megatron-te"
 VOCAB_MULTIPLE_PER_TP = 128
 
-# Canonical suffix -> Megatron suffix for tensors held whole; MLP-side names depend on the layer kind.
-_FULL_ATTN = {
+
+@dataclass(frozen=True, slots=True)
+class Naming:
+    """What differs between the local and the Transformer Engine spec (see module docstring)."""
+
+    layout: str
+    input_norm: str
+    """Where input_layernorm lives in a GQA layer (and an MLA layer with q_lora_rank)."""
+    dense_post_norm: str
+    """Where post_attention_layernorm lives in a dense layer (MoE layers: pre_mlp_layernorm)."""
+    q_a_norm: str
+    kv_a_norm: str
+    mla_down_split: bool
+    """MLA q/kv down-projections rows r-th of t (local spec) or full on every TP rank (TE)."""
+    expert_fc1: str
+    """Name of local expert k's fc1 inside `mlp.experts.` ({k} is formatted in)."""
+    expert_fc2: str
+
+
+LOCAL = Naming(
+    layout=NAME,
+    input_norm="input_layernorm.weight",
+    dense_post_norm="pre_mlp_layernorm.weight",
+    q_a_norm="self_attention.q_layernorm.weight",
+    kv_a_norm="self_attention.kv_layernorm.weight",
+    mla_down_split=True,
+    expert_fc1="local_experts.{k}.linear_fc1.weight",
+    expert_fc2="local_experts.{k}.linear_fc2.weight",
+)
+TE = Naming(
+    layout=TE_NAME,
+    input_norm="self_attention.linear_qkv.layer_norm_weight",
+    dense_post_norm="mlp.linear_fc1.layer_norm_weight",
+    q_a_norm="self_attention.linear_q_up_proj.layer_norm_weight",
+    kv_a_norm="self_attention.linear_kv_up_proj.layer_norm_weight",
+    mla_down_split=False,
+    expert_fc1="linear_fc1.weight{k}",
+    expert_fc2="linear_fc2.weight{k}",
+)
+
+# Canonical suffix -> Megatron suffix for tensors held whole by every TP rank (both specs).
+_FULL = {
     "self_attn.q_norm.weight": "self_attention.q_layernorm.weight",
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
-    "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
-    "self_attn.q_a_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
-    "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
-    "self_attn.kv_a_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
     "mlp.gate.weight": "mlp.router.weight",
     "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
 }
@@ -67,25 +121,29 @@ _ROWS = {
     "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
     "self_attn.kv_b_proj.weight": "self_attention.linear_kv_up_proj.weight",
 }
+_MLA_DOWN = {
+    "self_attn.q_a_proj.weight": "self_attention.linear_q_down_proj.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "self_attention.linear_kv_down_proj.weight",
+}
 
 
 def chunk_ranges(num_layers: int, spec: ParallelSpec) -> list[list[range]]:
-    """Global layer range of every (stage, chunk): result[s][c] (see module docstring for VPP)."""
+    """Global layer range of every (stage, chunk): result[s][c] (see module docstring for PP/VPP)."""
     p, v = spec.pp, spec.vpp
+    if spec.layer_counts is None and p <= num_layers and num_layers % (p * v) != 0:
+        what = "pp" if v == 1 else "pp*vpp"
+        raise LayoutError(
+            f"{NAME}: {'pp' if v == 1 else 'vpp'}: L={num_layers} layers not divisible by "
+            f"{what}={p * v} (Megatron splits evenly; give per-stage layer_counts for an uneven split)"
+        )
     if v == 1:
         return [[r] for r in stage_layer_ranges(num_layers, p, spec.layer_counts)]
     if spec.layer_counts is None:
-        if num_layers % (p * v) != 0:
-            raise LayoutError(
-                f"{NAME}: vpp: L={num_layers} layers not divisible by pp*vpp={p * v} "
-                "(give per-stage layer_counts divisible by vpp for an uneven split)"
-            )
         sizes = [num_layers // (p * v)] * p
     else:
         if sum(spec.layer_counts) != num_layers:
             raise LayoutError(f"{NAME}: layer_counts: sum {sum(spec.layer_counts)} != L={num_layers}")
-        bad = [c for c in spec.layer_counts if c % v]
-        if bad:
+        if any(c % v for c in spec.layer_counts):
             raise LayoutError(
                 f"{NAME}: layer_counts: {list(spec.layer_counts)} must each be divisible by vpp={v}"
             )
@@ -100,73 +158,76 @@ def chunk_ranges(num_layers: int, spec: ParallelSpec) -> list[list[range]]:
 
 
 class MegatronLayout(RuleLayout):
-    name = NAME
+    """A Megatron-Core source; `naming` picks the spec's names (LOCAL: `megatron`, TE: `megatron-te`)."""
+
+    def __init__(self, naming: Naming = LOCAL) -> None:
+        super().__init__()
+        self.naming = naming
+        self.name = naming.layout
 
     def check(self, view: ModelView, spec: ParallelSpec) -> None:
-        _validate(view, spec)
+        _validate(view, spec, self.naming)
 
     def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
-        return _build(view, spec, coord)
+        return _build(view, spec, coord, self.naming)
 
     def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
         moe = bool(view.dims.moe_layers)
         return (coord.pp_rank, coord.tp_rank, coord.ep_rank if moe else 0, coord.etp_rank if moe else 0)
 
 
-def _validate(view: ModelView, spec: ParallelSpec) -> None:
-    d, t = view.dims, spec.tp
+def _divisible(n: int, t: int, subject: str, what: str, layout: str) -> None:
+    require(n % t == 0, layout, subject, f"{what}={n} not divisible by tp={t}")
+
+
+def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
+    d, t, name = view.dims, spec.tp, naming.layout
     try:
         chunk_ranges(d.num_layers, spec)
     except TopologyError as e:
-        raise LayoutError(f"{NAME}: pp: {e}") from e
+        raise LayoutError(f"{name}: pp: {e}") from e
     attn = "model.layers.0.self_attn."
-    require(
-        d.num_heads % t == 0,
-        NAME,
-        attn + ("q_b_proj.weight" if d.mla else "q_proj.weight"),
-        f"nh={d.num_heads} not divisible by tp={t}",
-    )
+    _divisible(d.num_heads, t, attn + ("q_b_proj.weight" if d.mla else "q_proj.weight"), "nh", name)
     if not d.mla:
         require(
             d.num_kv_heads % t == 0,
-            NAME,
+            name,
             attn + "k_proj.weight",
             f"nkv={d.num_kv_heads} not divisible by tp={t} (query groups cannot be replicated)",
         )
+    elif naming.mla_down_split:  # ColumnParallelLinear divides its output rows exactly
+        if d.q_lora_rank is not None:
+            _divisible(d.q_lora_rank, t, attn + "q_a_proj.weight", "q_lora_rank", name)
+        kv_rows = d.kv_lora_rank + d.qk_rope_head_dim
+        _divisible(kv_rows, t, attn + "kv_a_proj_with_mqa.weight", "kv_lora_rank+qk_rope_head_dim", name)
     if len(d.moe_layers) < d.num_layers:
-        require(
-            d.intermediate % t == 0,
-            NAME,
-            "mlp.gate_proj.weight",
-            f"I={d.intermediate} not divisible by tp={t}",
-        )
+        _divisible(d.intermediate, t, "mlp.gate_proj.weight", "I", name)
     if d.moe_layers:
         require(
             d.num_experts % spec.ep == 0,
-            NAME,
+            name,
             "mlp.experts",
             f"E={d.num_experts} not divisible by ep={spec.ep}",
         )
         require(
             d.moe_intermediate % spec.etp == 0,
-            NAME,
+            name,
             "mlp.experts.gate_proj.weight",
             f"Im={d.moe_intermediate} not divisible by etp={spec.etp}",
         )
         require(
             (t * spec.dp) % (spec.ep * spec.etp) == 0,
-            NAME,
+            name,
             "ep",
             f"ep*etp={spec.ep * spec.etp} does not divide tp*dp={t * spec.dp}",
         )
     if d.shared_intermediate:
-        require(
-            d.shared_intermediate % t == 0,
-            NAME,
-            "mlp.shared_experts.gate_proj.weight",
-            f"shared intermediate {d.shared_intermediate} not divisible by tp={t}",
+        _divisible(
+            d.shared_intermediate, t, "mlp.shared_experts.gate_proj.weight", "shared intermediate", name
         )
-    check_coverage(view, NAME, lambda out, layer, dense: _layer(out, view, layer, dense, "", spec, _ZERO))
+    check_coverage(
+        view, name, lambda out, layer, dense: _layer(out, view, layer, dense, "", spec, _ZERO, naming)
+    )
 
 
 # Layer rules read the same tensors on every rank; coverage is proven once, on this coordinate.
@@ -196,28 +257,44 @@ def _fc1(out: ShardBuilder, local: str, gate: TensorMeta, up: TensorMeta, parts:
     out.concat_rows(local, [(gate, lo, hi), (up, lo, hi)])
 
 
-def _attention(
-    out: ShardBuilder, view: ModelView, p: str, dense: dict[str, TensorMeta], t: int, r: int
-) -> None:
+def _mla(out: ShardBuilder, p: str, dense: dict[str, TensorMeta], t: int, r: int, naming: Naming) -> None:
     norm = dense["input_layernorm.weight"]
-    if not view.dims.mla:
-        out.full(norm, f"{p}self_attention.linear_qkv.layer_norm_weight")
-        _qkv(out, view, p, dense, t, r)
-    elif "self_attn.q_proj.weight" in dense:  # MLA without q_lora_rank: TE fuses the input norm into q
-        out.full(norm, f"{p}self_attention.linear_q_proj.layer_norm_weight")
+    if "self_attn.q_proj.weight" in dense:  # no q_lora_rank: TE fuses the input norm into q
+        fused = naming is TE
+        out.full(
+            norm,
+            f"{p}self_attention.linear_q_proj.layer_norm_weight" if fused else f"{p}input_layernorm.weight",
+        )
         out.split(dense["self_attn.q_proj.weight"], f"{p}self_attention.linear_q_proj.weight", 0, t, r)
     else:
         out.full(norm, f"{p}input_layernorm.weight")
-    out.split(dense["self_attn.o_proj.weight"], f"{p}self_attention.linear_proj.weight", 1, t, r)
+        out.full(dense["self_attn.q_a_layernorm.weight"], p + naming.q_a_norm)
+    out.full(dense["self_attn.kv_a_layernorm.weight"], p + naming.kv_a_norm)
+    for canon, local in _MLA_DOWN.items():
+        if canon in dense:
+            out.split(dense[canon], p + local, 0, t if naming.mla_down_split else 1, r)
     for canon, local in _ROWS.items():
         if canon in dense:
             out.split(dense[canon], p + local, 0, t, r)
 
 
-def _experts(out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, coord: RankCoord) -> None:
+def _attention(
+    out: ShardBuilder, view: ModelView, p: str, dense: dict[str, TensorMeta], t: int, r: int, naming: Naming
+) -> None:
+    if view.dims.mla:
+        _mla(out, p, dense, t, r, naming)
+    else:
+        out.full(dense["input_layernorm.weight"], p + naming.input_norm)
+        _qkv(out, view, p, dense, t, r)
+    out.split(dense["self_attn.o_proj.weight"], f"{p}self_attention.linear_proj.weight", 1, t, r)
+
+
+def _experts(
+    out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, coord: RankCoord, naming: Naming
+) -> None:
     e0, e1 = part(len(layer.experts), spec.ep, coord.ep_rank)
     gate0 = layer.experts[0]["gate_proj.weight"]
-    hidden, dtype = gate0.shape[1], gate0.dtype
+    hidden = gate0.shape[1]
     lo, hi = part(gate0.shape[0], spec.etp, coord.etp_rank)
     n = hi - lo
     # Hot path (Kimi-K2: ~70k expert tensors): boxes and shapes are shared by all experts of the
@@ -226,12 +303,14 @@ def _experts(out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, co
     canon_rows, canon_cols = ((lo, hi), full_h), (full_h, (lo, hi))
     gate_box, up_box, fc2_box = ((0, n), full_h), ((n, 2 * n), full_h), (full_h, (0, n))
     fc1_shape, fc2_shape = (2 * n, hidden), (hidden, n)
+    fc1_name, fc2_name = f"{p}mlp.experts.{naming.expert_fc1}", f"{p}mlp.experts.{naming.expert_fc2}"
     tensors, pieces = out.tensors, out.pieces
     for k, e in enumerate(range(e0, e1)):
         expert = layer.experts[e]
-        fc1, fc2 = f"{p}mlp.experts.linear_fc1.weight{k}", f"{p}mlp.experts.linear_fc2.weight{k}"
-        tensors.append(LocalTensorMeta(fc1, fc1_shape, dtype))
-        tensors.append(LocalTensorMeta(fc2, fc2_shape, dtype))
+        fc1, fc2 = fc1_name.format(k=k), fc2_name.format(k=k)
+        # Each expert tensor keeps its own dtype (a bf16 model may hold experts in another).
+        tensors.append(LocalTensorMeta(fc1, fc1_shape, expert["gate_proj.weight"].dtype))
+        tensors.append(LocalTensorMeta(fc2, fc2_shape, expert["down_proj.weight"].dtype))
         pieces.append(Piece(expert["gate_proj.weight"].name, canon_rows, fc1, gate_box))
         pieces.append(Piece(expert["up_proj.weight"].name, canon_rows, fc1, up_box))
         pieces.append(Piece(expert["down_proj.weight"].name, canon_cols, fc2, fc2_box))
@@ -245,12 +324,13 @@ def _layer(
     p: str,
     spec: ParallelSpec,
     coord: RankCoord,
+    naming: Naming,
 ) -> None:
     t, r = spec.tp, coord.tp_rank
-    _attention(out, view, p, dense, t, r)
+    _attention(out, view, p, dense, t, r, naming)
     post_norm = dense["post_attention_layernorm.weight"]
     if "mlp.gate_proj.weight" in dense:
-        out.full(post_norm, f"{p}mlp.linear_fc1.layer_norm_weight")
+        out.full(post_norm, p + naming.dense_post_norm)
         _fc1(
             out, f"{p}mlp.linear_fc1.weight", dense["mlp.gate_proj.weight"], dense["mlp.up_proj.weight"], t, r
         )
@@ -264,27 +344,27 @@ def _layer(
         )
         out.split(dense[s + "down_proj.weight"], f"{p}{s}linear_fc2.weight", 1, t, r)
     if layer.experts:
-        _experts(out, p, layer, spec, coord)
-    for canon, local in _FULL_ATTN.items():
+        _experts(out, p, layer, spec, coord, naming)
+    for canon, local in _FULL.items():
         if canon in dense:
             out.full(dense[canon], p + local)
 
 
-def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord, naming: Naming) -> RankShard:
     out = ShardBuilder()
     chunks = chunk_ranges(view.dims.num_layers, spec)[coord.pp_rank]
     t, r = spec.tp, coord.tp_rank
     vp = round_up(view.dims.vocab, VOCAB_MULTIPLE_PER_TP * t)
     last_chunk = len(chunks) - 1
     for c, layers in enumerate(chunks):
-        prefix = f"chunk{c}." if spec.vpp > 1 else ""
+        prefix = f"chunk{c}." if spec.vpp > 1 else ""  # our convention, not Megatron's (see above)
         pre = coord.pp_rank == 0 and c == 0
         post = coord.pp_rank == spec.pp - 1 and c == last_chunk
         if pre:
             out.vocab_rows(view.top[EMBED], f"{prefix}embedding.word_embeddings.weight", vp, t, r)
         for j, i in enumerate(layers):
             layer = view.layers[i]
-            _layer(out, view, layer, layer.dense, f"{prefix}decoder.layers.{j}.", spec, coord)
+            _layer(out, view, layer, layer.dense, f"{prefix}decoder.layers.{j}.", spec, coord, naming)
         if post:
             out.full(view.top[FINAL_NORM], f"{prefix}decoder.final_layernorm.weight")
             if LM_HEAD in view.top:
