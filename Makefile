@@ -8,7 +8,7 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test test-engines lint unit e2e bench bench-plan bench-scale bench-transfer bench-k8s chart-crds k8s-bins
+.PHONY: demo test test-engines lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-k8s chart-crds k8s-bins
 
 demo:
 	@V=$$(bash tools/venv.sh); $$V/bin/weightsync demo $(ARGS)
@@ -37,6 +37,12 @@ e2e: k8s-bins
 
 k8s-bins:
 	@bash tests/k8s/ensure_binaries.sh
+
+# The commit-phase fault trials, each WS_SOAK times (default 20); not part of `make test`,
+# which runs each once. Stops at the first failing trial.
+WS_SOAK ?= 20
+soak:
+	@V=$$(bash tools/venv.sh); WS_SOAK=$(WS_SOAK) $$V/bin/python -m pytest -q -x tests/test_commit_faults.py $(ARGS)
 
 bench: bench-plan bench-transfer
 

@@ -11,6 +11,12 @@
 (c) transport: each destination rank receives its total plan bytes as one contiguous message
     from one source rank (no packing, no checksums): what loopback gloo can do at best.
 
+Then the destination staging policies side by side (`spec.transport.staging`): host, device,
+inplace, each a full sync plus its commit, with fresh staging every sync, and the extra memory
+the destination's staging allocated next to the live weights ("device" tier) and in host
+memory (`DestinationWeights.meter`). On this CPU-only bench both tiers are the same RAM: the
+figures say where each policy puts its buffers; on CUDA the device tier is GPU memory.
+
 Each measurement: a barrier, then the method; the time is the slowest rank's; median of
 --repeats runs after one warm-up, the methods interleaved (machine load drifts). Prints a
 table; writes nothing.
@@ -22,6 +28,7 @@ table; writes nothing.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -38,6 +45,7 @@ from tests.support.local_ranks import LocalWorld, RankContext
 from tests.support.scenario import Scenario
 
 TIMEOUT_S = 300.0
+POLICIES = ("host", "device", "inplace")
 # A llama whose heads split 3 ways and 2 ways (nh=24, nkv=6), about 400 MB in bf16.
 MID_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1536,
@@ -83,9 +91,9 @@ def _barrier(r: _Rank) -> None:
     r.group.backend.barrier().wait()
 
 
-def _method_plan(r: _Rank, plan, dest: DestinationWeights | None) -> float:
+def _method_plan(r: _Rank, plan, dest: DestinationWeights | None, staging: str = "host") -> float:
     rank_plan = plan.for_rank(r.ctx.rank)
-    config = TransferConfig(timeout_s=TIMEOUT_S)
+    config = TransferConfig(timeout_s=TIMEOUT_S, staging=staging)
     if dest is not None:
         dest.begin("bench")
     _barrier(r)
@@ -94,7 +102,7 @@ def _method_plan(r: _Rank, plan, dest: DestinationWeights | None) -> float:
                            destination=dest, config=config)  # fmt: skip
     elapsed = time.perf_counter() - start
     if not result.ok:
-        raise RuntimeError(result.failure.message if result.failure else 'failed')
+        raise RuntimeError(result.failure.message if result.failure else "failed")
     if dest is not None:
         dest.commit()
     return elapsed
@@ -203,6 +211,9 @@ def bench_rank(ctx: RankContext, scenario: Scenario, repeats: int) -> dict[str, 
         "naive": lambda: _method_naive(r, cover, dst_pieces),
         "transport": lambda: _method_transport(r, plan, tbufs),
     }
+    policies = {p: DestinationWeights(dict(r.local), policy=p) if dest else None for p in POLICIES}
+    for p, pdest in policies.items():
+        methods[p] = lambda p=p, pdest=pdest: _method_plan(r, plan, pdest, staging=p)
     times: dict[str, list[float]] = {name: [] for name in methods}
     for fn in methods.values():
         fn()  # warm-up: first-touch allocations, checksum tables, gloo pair buffers
@@ -210,6 +221,9 @@ def bench_rank(ctx: RankContext, scenario: Scenario, repeats: int) -> dict[str, 
         for name, fn in methods.items():
             times[name].append(fn())
     group.close()
+    for p, pdest in policies.items():  # peak staging bytes per tier over the whole run, this rank
+        times[f"{p}:device"] = [float(pdest.meter.peak["device"]) if pdest else 0.0]
+        times[f"{p}:host"] = [float(pdest.meter.peak["host"]) if pdest else 0.0]
     return times
 
 
@@ -257,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     print("a: staging kept between syncs (keep_staging=True); a0: fresh staging each sync (default).")
     print("Targets: a/b <= 0.5 when TP differs; a/c <= 1.43 (a >= 0.7 of c) for mid.")
     print(header)
+    policy_rows = []
     with LocalWorld(pool) as world:
         for (size, case, *_), scenario in zip(cases, scenarios, strict=True):
             nbytes, rounds = _plan_bytes(scenario)
@@ -273,7 +288,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{size:5} {case:16} {nbytes / 1e6:7.1f} {wire:7.1f} {rounds:4d} "
                   f"{a:7.3f} {a0:7.3f} {b:7.3f} {c:7.3f} {gbps['plan']:7.2f} {gbps['transport']:7.2f} "
                   f"{a / b:5.2f} {a / c:5.2f} {a0 / b:5.2f} {a0 / c:5.2f}", flush=True)  # fmt: skip
+            policy_rows.append(_policy_row(size, case, scenario, outcomes, args.repeats))
+    _print_policies(policy_rows)
     return 0
+
+
+def _policy_row(size: str, case: str, scenario: Scenario, outcomes, repeats: int) -> str:
+    """Time (slowest rank, median) and the largest destination rank's extra staging bytes."""
+    n_src = len(scenario.sides()[0].coords)
+    dests = [o.value for o in outcomes[n_src:]]
+    weights = max(
+        sum(math.prod(t.shape) * 2 for t in scenario.shard(r)[1].tensors) for r in range(n_src, len(outcomes))
+    )
+    cells = []
+    for p in POLICIES:
+        t = statistics.median(max(o.value[p][i] for o in outcomes) for i in range(repeats))
+        dev = max(d[f"{p}:device"][0] for d in dests) / 1e6
+        host = max(d[f"{p}:host"][0] for d in dests) / 1e6
+        cells.append(f"{t:7.3f} {dev:8.1f} {host:8.1f}")
+    return f"{size:5} {case:16} {weights / 1e6:8.1f} " + " ".join(cells)
+
+
+def _print_policies(rows: list[str]) -> None:
+    print()
+    print("Destination staging policies: s = sync + commit (slowest rank, median); dev/host MB =")
+    print("peak extra staging bytes of the largest destination rank next to its live weights (dev)")
+    print("and in host memory (host); 'w MB' = that rank's weights. Fresh staging every sync.")
+    head = " ".join(f"{p + ' s':>7} {p[:4] + ' dev':>8} {p[:4] + ' hst':>8}" for p in POLICIES)
+    print(f"{'size':5} {'case':16} {'w MB':>8} {head}")
+    for row in rows:
+        print(row)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import (
     ProgressEvent,
     RankBytes,
+    ReplicaState,
     ReplicaVersion,
     Reporter,
     StageSeconds,
@@ -157,7 +158,6 @@ class Coordinator:
         t = time.monotonic()
         manifest, sides, digest = discover_all(self.spec, self._manifest, self._meta_timeout())
         att.stages.discover = time.monotonic() - t
-        dests = [p for s in sides[1:] for p in s.participants]
         rank = len(sides[0].participants)
         for side in sides[1:]:
             for p in side.participants:
@@ -165,7 +165,10 @@ class Coordinator:
                 rank += 1
         self._ensure_store()
         att.replicas, att.recovered = recover(att.dests, self._store, self._rpc_timeout())
-        if skip_if_current and all(p.meta.version == att.version for p in dests):
+        # After recovery: what the replicas hold now (it may have rolled a commit forward).
+        if skip_if_current and all(
+            r.version == att.version and r.state is ReplicaState.SERVING for r in att.replicas
+        ):
             # Already there (e.g. a runtime restart): report success without moving a byte.
             return self._report(att, None)
         self._emit(att, SyncStep.PLAN)
