@@ -59,7 +59,10 @@ class SecretKeyRef(CrdModel):
 
 
 class Parallelism(CrdModel):
-    """Expected parallelism of a deployment; discovery checks the real actors against it."""
+    """Expected parallelism of a deployment; discovery checks the real actors against it.
+
+    Not core.topology.ParallelSpec on purpose: this is the CRD's shape (camelCase, bounds the API
+    server enforces, `replicas`); `to_spec`/`from_spec` are the one conversion."""
 
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
@@ -309,6 +312,9 @@ class Condition(StatusModel):
 
 
 class SyncProgress(StatusModel):
+    """status.progress. Mirrors report.ProgressEvent because status is read tolerantly (unknown
+    fields and steps of a newer runtime must not break the operator), the wire event strictly."""
+
     version: str
     step: str
     done_bytes: int = 0
@@ -327,7 +333,8 @@ class FailureSummary(StatusModel):
 
 
 class LastSync(StatusModel):
-    """Summary of the last finished sync's report (DESIGN 6)."""
+    """Summary of the last finished sync's report (DESIGN 6): the part of report.SyncReport the
+    CR's status keeps (no per-rank list, which grows with the fleet), read tolerantly."""
 
     version: str
     result: Literal["Succeeded", "Failed"]

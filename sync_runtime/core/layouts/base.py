@@ -50,7 +50,8 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class LocalTensorMeta:
-    """A tensor as one rank holds it, under its layout's name."""
+    """A tensor as one rank holds it, under its layout's name (manifest.TensorMeta is the
+    canonical full tensor; a local one is a shard, often fused from several canonical ones)."""
 
     name: str
     shape: tuple[int, ...]
