@@ -40,10 +40,15 @@ if [ ! -f "$venv/.complete" ]; then
 else
   echo "venv: cache hit $venv" >&2
 fi
-# The calling clone's code, copied into the venv (a few seconds, no downloads). Build outputs go
-# to a temporary folder so the clone stays clean.
-build="$(mktemp -d)"
-trap 'rm -rf "$build"' EXIT
-cp -r "$root/pyproject.toml" "$root/README.md" "$root/sync_runtime" "$root/operator" "$build/"
-"$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall "$build" >&2
+# The calling clone's code, copied into the venv when it differs from what is installed (a few
+# seconds, no downloads); unchanged sources skip the reinstall, so processes of another clone that
+# runs the same code are not disturbed. Build outputs go to a temporary folder: the clone stays clean.
+source_key="$(cd "$root" && find pyproject.toml sync_runtime operator -type f \( -name '*.py' -o -name '*.json' -o -name '*.toml' \) -not -path '*/__pycache__/*' | sort | xargs sha256sum | sha256sum | cut -c1-16)"
+if [ "$(cat "$venv/.weightsync-source" 2>/dev/null)" != "$source_key" ]; then
+  build="$(mktemp -d)"
+  trap 'rm -rf "$build"' EXIT
+  cp -r "$root/pyproject.toml" "$root/README.md" "$root/sync_runtime" "$root/operator" "$build/"
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall "$build" >&2
+  echo "$source_key" >"$venv/.weightsync-source"
+fi
 echo "$venv"
