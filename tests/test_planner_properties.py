@@ -348,3 +348,18 @@ def test_digest_is_stable_across_processes() -> None:
         )
         digests.add(out.stdout.strip())
     assert len(digests) == 1, json.dumps(sorted(digests))
+
+
+@settings(SETTINGS, max_examples=40)
+@given(cases())
+def test_symmetric_lane_schedule_is_exact_complete_and_minimal(case: Case) -> None:
+    """The lane schedule (planner/lanes.py, normally for large plans only) keeps every invariant;
+    where it does not fit, planning falls back to the greedy scheduler."""
+    from sync_runtime.planner import lanes
+
+    saved, lanes.LANES_MIN_BUCKETS = lanes.LANES_MIN_BUCKETS, 0
+    try:
+        plan = run_case(case)
+    finally:
+        lanes.LANES_MIN_BUCKETS = saved
+    event(f"scheduler {plan.stats['scheduler']}")

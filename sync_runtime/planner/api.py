@@ -23,6 +23,7 @@ from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.errors import LayoutError, PlanError, TopologyError
+from sync_runtime.planner import lanes as _lanes
 from sync_runtime.planner import relay as _relay
 from sync_runtime.planner.config import PlannerConfig, SideSpec
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
@@ -181,13 +182,8 @@ def _build(
 ) -> SyncPlan:
     """One complete plan; `chains` maps relayed destination ranks to their forwarders."""
     direct = [inst for insts in side_instances for inst in insts if inst[0] not in chains]
-    choices = SenderChooser([c.node for c in ranks]).choose_groups(direct)
-    book = PairBook(config.effective_bucket_bytes)
-    for (dst, needs), choice in zip(direct, choices, strict=True):
-        book.add(dst, needs, choice)
-    rounds = _schedule(ranks, book, chains, config)
-    programs = CompactPrograms(book, rounds)
-    del rounds  # the refs are arrays now; drop the objects before the stats
+    programs, scheduler = _programs(ranks, direct, chains, config)
+    book = programs.book
     schedule = _fingerprint(programs)
     plan = SyncPlan(
         ranks=ranks,
@@ -197,7 +193,26 @@ def _build(
     )
     lower_bound = sum(n.nbytes for insts in side_instances for _, needs in insts for n in needs)
     plan.stats.update(plan_stats(plan, schedule, n_tensors, lower_bound, config.cost))
+    plan.stats["scheduler"] = scheduler
     return plan
+
+
+def _programs(
+    ranks: tuple[RankCoord, ...], direct: list[Instance], chains: dict[int, int], config: PlannerConfig
+) -> tuple[CompactPrograms, str]:
+    """Pairs and rounds: the symmetric lane schedule where it applies and fits, else greedy."""
+    if not chains and _lanes.applies(ranks, direct, config):
+        book = PairBook(config.effective_bucket_bytes)
+        found = _lanes.lane_schedule(book, direct, len(ranks), config)
+        if found is not None:
+            n_rounds, cols = found
+            return CompactPrograms(book, n_rounds, [*cols, np.zeros(len(cols[0]), dtype=bool)]), "lanes"
+    book = PairBook(config.effective_bucket_bytes)
+    choices = SenderChooser([c.node for c in ranks]).choose_groups(direct)
+    for (dst, needs), choice in zip(direct, choices, strict=True):
+        book.add(dst, needs, choice)
+    rounds = _schedule(ranks, book, chains, config)
+    return CompactPrograms.from_refs(book, rounds), "greedy"
 
 
 def _schedule(

@@ -109,9 +109,9 @@ class PairBook:
         for src, ps in parts.items():
             self.pair_src.append(src)
             self.pair_dst.append(dst)
-            self.pair_pattern.append(self._pattern(needs, tuple(ps)))
+            self.pair_pattern.append(self.pattern(needs, tuple(ps)))
 
-    def _pattern(self, needs: list[Need], parts: tuple[int | tuple[int, ...], ...]) -> int:
+    def pattern(self, needs: list[Need], parts: tuple[int | tuple[int, ...], ...]) -> int:
         key = (id(needs), parts)
         pid = self._pattern_ids.get(key)
         if pid is None:
@@ -178,23 +178,31 @@ class PairBook:
 class CompactPrograms:
     """A plan's buckets as arrays (round, src, dst, pair, k, relayed) with per-rank indices."""
 
-    def __init__(self, book: PairBook, rounds: Sequence[Sequence[BucketRef]]):
+    def __init__(self, book: PairBook, n_rounds: int, columns: Sequence[np.ndarray]):
+        """`columns`: round, src, dst, pair, k, relayed per bucket, in round order."""
         self.book = book
-        self.n_rounds = len(rounds)
-        rows = [(i, b.src_rank, b.dst_rank, b.pair, b.k, b.relayed) for i, r in enumerate(rounds) for b in r]
-        arr = np.array(rows, dtype=np.int64).reshape(-1, 6)
-        self.round, self.src, self.dst = arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy()
-        self.pair, self.k, self.relayed = arr[:, 3].copy(), arr[:, 4].copy(), arr[:, 5].astype(bool)
+        self.n_rounds = n_rounds
+        self.round, self.src, self.dst, self.pair, self.k = (
+            np.asarray(c, dtype=np.int64) for c in columns[:5]
+        )
+        self.relayed = np.asarray(columns[5], dtype=bool)
         n_ranks = int(max(self.src.max(initial=-1), self.dst.max(initial=-1))) + 1
         # Rows are in round order; a stable sort keeps each rank's buckets in that order.
-        self._by_src = np.argsort(self.src, kind="stable")
-        self._by_dst = np.argsort(self.dst, kind="stable")
+        narrow = np.int16 if n_ranks < 1 << 15 else np.int64  # 16-bit keys: numpy sorts by radix
+        self._by_src = np.argsort(self.src.astype(narrow), kind="stable")
+        self._by_dst = np.argsort(self.dst.astype(narrow), kind="stable")
         self._src_at = np.concatenate([[0], np.cumsum(np.bincount(self.src, minlength=n_ranks))])
         self._dst_at = np.concatenate([[0], np.cumsum(np.bincount(self.dst, minlength=n_ranks))])
         self.n_ranks = n_ranks
         self._nbytes = self.bucket_tables()[0]
         self._pattern = np.asarray(book.pair_pattern, dtype=np.int64)
         self._table: NeedTable | None = None
+
+    @classmethod
+    def from_refs(cls, book: PairBook, rounds: Sequence[Sequence[BucketRef]]) -> CompactPrograms:
+        rows = [(i, b.src_rank, b.dst_rank, b.pair, b.k, b.relayed) for i, r in enumerate(rounds) for b in r]
+        arr = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        return cls(book, len(rounds), [arr[:, c].copy() for c in range(6)])
 
     def bucket_tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Per row: bytes and transfer count (from the patterns, vectorised)."""

@@ -1,0 +1,233 @@
+"""Symmetric schedule for large plans: one template per destination position, cyclic phases.
+
+The greedy scheduler (schedule.py) fills every receiver every round: ~2.4 M calls for 4096
+destination ranks, minutes of CPU. Large fleets are symmetric instead: every replica at a
+position needs the same segments (needs grouped by holder set, see program.py), from any of
+the segment's identical holders. So:
+
+- Lanes. A receiver takes at most `lanes = min(max_fan_in, round_bytes // bucket_bytes)` buckets
+  per round, one per lane; a sender serves at most `lanes` streams at once. Both per-round caps
+  (bytes and fan-in) then hold by construction.
+- Template. Per position, its segments are packed into the lanes (largest first, shortest lane):
+  segment S streams its buckets one per round from template round a_S. All templates are
+  cycles of the same length L (the longest).
+- Phases. Replica j of R runs the template shifted by j * L / R rounds, modulo L: the replicas
+  reading one holder set at a given time are spread evenly, and no replica takes longer than L.
+- Senders. Per holder set, its occupations (replica, segment, start, length) sorted by start
+  are dealt round robin over Q = k * h lanes, lane q on holder q mod h: every holder gets the same
+  share (send balance), and a lane's occupations must not overlap on the cycle (checked, k grows
+  until they do not). A source rank's lanes over all its holder sets must not exceed `lanes`.
+
+Nothing is built per replica but numpy rows. When a check fails, or placement offers same-node
+holders (which the greedy chooser prefers), the caller falls back to the greedy path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sync_runtime.core.topology import RankCoord, Role
+from sync_runtime.planner.config import PlannerConfig
+from sync_runtime.planner.needs import Need
+from sync_runtime.planner.program import PairBook
+
+LANES_MIN_BUCKETS = 1_000_000
+"""Plans estimated at this many buckets or more try the symmetric schedule (tests lower it)."""
+Instance = tuple[int, list[Need]]
+Occupations = dict[tuple[int, ...], list[tuple[np.ndarray, np.ndarray, int, int, int]]]
+"""Per holder set: (starts, dst ranks, bucket count, pattern, bytes) blocks, one per position and segment."""
+
+
+def estimated_buckets(instances: Sequence[Instance], bucket_bytes: int) -> int:
+    per_list: dict[int, int] = {}
+    for _, needs in instances:
+        if id(needs) not in per_list:
+            per_list[id(needs)] = sum(n.nbytes for n in needs) // bucket_bytes + 1
+    return sum(per_list[id(needs)] for _, needs in instances)
+
+
+def applies(ranks: Sequence[RankCoord], instances: Sequence[Instance], config: PlannerConfig) -> bool:
+    """Large enough to need it, and no destination shares a node with a source rank."""
+    if estimated_buckets(instances, config.effective_bucket_bytes) < LANES_MIN_BUCKETS:
+        return False
+    source_nodes = {c.node for c in ranks if c.role is Role.SOURCE}
+    return not any(ranks[dst].node in source_nodes for dst, _ in instances)
+
+
+def _template(book: PairBook, needs: list[Need], lanes: int) -> tuple[list[int], list[int], list[int]]:
+    """Per segment: its pattern, bucket count and template start (largest first into the shortest lane)."""
+    segs = book.segments(needs)
+    patterns = [book.pattern(needs, (s,)) for s in range(len(segs))]
+    counts = [len(book.patterns[p].sizes) for p in patterns]
+    starts = [0] * len(segs)
+    length = [0] * lanes
+    for s in sorted(range(len(segs)), key=lambda s: (-counts[s], s)):
+        lane = min(range(lanes), key=lambda q: (length[q], q))
+        starts[s] = length[lane]
+        length[lane] += counts[s]
+    return patterns, counts, starts
+
+
+def _stride(starts: np.ndarray, lengths: np.ndarray, cycle: int, h: int, lanes: int) -> int | None:
+    """Lanes per holder k such that dealing the (sorted) occupations over k*h lanes never overlaps."""
+    m = len(starts)
+    k = max(1, -(-int(lengths.sum()) // (cycle * h)))
+    i = np.arange(m)
+    while k <= lanes:
+        q = k * h
+        if q >= m:
+            return k
+        nxt = i + q
+        gap = starts[nxt % m] - starts + np.where(nxt >= m, cycle, 0)
+        if bool((gap >= lengths).all()):
+            return k
+        k += 1
+    return None
+
+
+def lane_schedule(
+    book: PairBook, instances: Sequence[Instance], n_ranks: int, config: PlannerConfig
+) -> tuple[int, list[np.ndarray]] | None:
+    """Files every pair in `book` and returns (rounds, [round, src, dst, pair, k] rows in round
+    order), or None (nothing filed) when the symmetric schedule does not fit."""
+    lanes = max(1, min(config.max_fan_in, config.round_bytes // config.effective_bucket_bytes))
+    positions: dict[int, tuple[list[Need], list[int]]] = {}
+    for dst, needs in instances:
+        positions.setdefault(id(needs), (needs, []))[1].append(dst)
+    templates = {key: _template(book, needs, lanes) for key, (needs, _) in positions.items()}
+    cycle = max((-(-sum(c) // lanes) for _, c, _ in templates.values()), default=0)
+    cycle = max(cycle, max((max(c, default=0) for _, c, _ in templates.values()), default=0), 1)
+    occupations: Occupations = {}
+    for key, (needs, dsts) in positions.items():
+        patterns, counts, starts = templates[key]
+        phase = (np.arange(len(dsts), dtype=np.int64) * cycle) // len(dsts)
+        dst_arr = np.asarray(dsts, dtype=np.int64)
+        for (ranks, _), p, n, a in zip(book.segments(needs), patterns, counts, starts, strict=True):
+            if n:
+                block = ((a + phase) % cycle, dst_arr, n, p, sum(book.patterns[p].sizes))
+                occupations.setdefault(ranks, []).append(block)
+    filed = _deal(occupations, cycle, lanes, n_ranks)
+    if filed is None:
+        return None
+    src, dst, pattern, start = filed
+    return cycle, _rows(book, src, dst, pattern, start, cycle)
+
+
+def _columns(blocks: list[tuple]) -> tuple[np.ndarray, ...]:
+    """starts, dsts, lengths, patterns, bytes of one holder set's occupations."""
+    starts = np.concatenate([b[0] for b in blocks])
+    dsts = np.concatenate([b[1] for b in blocks])
+    rest = (np.concatenate([np.full(len(b[0]), b[c], dtype=np.int64) for b in blocks]) for c in (2, 3, 4))
+    return (starts, dsts, *rest)
+
+
+def _heavy(cols: tuple[np.ndarray, ...], ranks: tuple[int, ...], cycle: int, lanes: int) -> np.ndarray | None:
+    """Holders dealt round robin over k lanes per holder (a set busy enough to use all holders)."""
+    starts, lengths = cols[0], cols[2]
+    order = np.argsort(starts, kind="stable")
+    h = len(ranks)
+    k = _stride(starts[order], lengths[order], cycle, h, lanes)
+    if k is None:
+        return None
+    holder = np.empty(len(order), dtype=np.int64)
+    holder[order] = (np.arange(len(order)) % (k * h)) % h
+    return np.asarray(ranks, dtype=np.int64)[holder]
+
+
+def _light(
+    cols: tuple[np.ndarray, ...],
+    ranks: tuple[int, ...],
+    cycle: int,
+    lanes: int,
+    busy: np.ndarray,
+    load: np.ndarray,
+) -> np.ndarray | None:
+    """Per occupation (by start), the least-loaded holder with a free lane all along it. A set
+    that needs fewer lanes than it has holders must not reserve a lane on each of them (dense
+    and replicated tensors: 64 or 512 holders, two or three streams at a time)."""
+    starts, lengths, nbytes = cols[0], cols[2], cols[4]
+    holders = np.asarray(ranks, dtype=np.int64)
+    out = np.empty(len(starts), dtype=np.int64)
+    for i in np.argsort(starts, kind="stable").tolist():
+        idx = (starts[i] + np.arange(lengths[i])) % cycle
+        best = int(holders[np.argmin(load[holders])])
+        if busy[best, idx].max() < lanes:  # the least loaded almost always has a free lane
+            candidates: list[int] = []
+        else:
+            best, candidates = -1, holders[np.argsort(load[holders], kind="stable")].tolist()
+        for c in candidates:
+            if busy[c, idx].max() < lanes:
+                best = c
+                break
+        if best < 0:
+            return None
+        busy[best, idx] += 1
+        load[best] += nbytes[i]
+        out[i] = best
+    return out
+
+
+def _deal(
+    occupations: Occupations, cycle: int, lanes: int, n_ranks: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Per occupation, its holder: pair columns src, dst, pattern, start (in receiver order).
+
+    Busy sets first, dealt over whole lanes (balanced by construction); then the per-round
+    lane counts they leave are what the light sets may use, greedily."""
+    sets = [(ranks, _columns(blocks)) for ranks, blocks in occupations.items()]
+    light = [-(-int(c[2].sum()) // cycle) < len(r) for r, c in sets]
+    keys: list[np.ndarray] = []
+    load = np.zeros(n_ranks, dtype=np.int64)
+    out: list[tuple[np.ndarray, ...]] = []
+    for (ranks, cols), is_light in zip(sets, light, strict=True):
+        if is_light:
+            continue
+        src = _heavy(cols, ranks, cycle, lanes)
+        if src is None:
+            return None
+        starts, lengths = cols[0], cols[2]
+        rounds = (np.repeat(starts, lengths) + _within(lengths)) % cycle
+        keys.append(np.repeat(src, lengths) * cycle + rounds)
+        load += np.bincount(src, weights=cols[4], minlength=n_ranks).astype(np.int64)
+        out.append((src, cols[1], cols[3], cols[0]))
+    flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
+    busy = np.bincount(flat, minlength=n_ranks * cycle).reshape(n_ranks, cycle)
+    del flat, keys
+    if busy.max(initial=0) > lanes:
+        return None
+    for (ranks, cols), is_light in zip(sets, light, strict=True):
+        if is_light:
+            src = _light(cols, ranks, cycle, lanes, busy, load)
+            if src is None:
+                return None
+            out.append((src, cols[1], cols[3], cols[0]))
+    cols4 = [np.concatenate([o[c] for o in out]) if out else np.zeros(0, dtype=np.int64) for c in range(4)]
+    # Pairs in receiver order, as the greedy path files them (stable: segment order kept).
+    by_dst = np.argsort(cols4[1], kind="stable")
+    src, dst, pattern, start = (c[by_dst] for c in cols4)
+    return src, dst, pattern, start
+
+
+def _within(counts: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n of `counts`, concatenated."""
+    return np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def _rows(
+    book: PairBook, src: np.ndarray, dst: np.ndarray, pattern: np.ndarray, start: np.ndarray, cycle: int
+) -> list[np.ndarray]:
+    """File the pairs in `book` and expand them to bucket rows, sorted by round."""
+    first = len(book.pair_src)
+    book.pair_src.extend(src.tolist())
+    book.pair_dst.extend(dst.tolist())
+    book.pair_pattern.extend(pattern.tolist())
+    counts = np.asarray([len(p.sizes) for p in book.patterns], dtype=np.int64)[pattern]
+    pair = np.repeat(np.arange(first, first + len(src), dtype=np.int64), counts)
+    k = _within(counts)
+    rnd = (np.repeat(start, counts) + k) % cycle
+    # rounds fit in 16 bits at any realistic size: numpy's stable sort is then a radix sort
+    order = np.argsort(rnd.astype(np.int16) if cycle < 1 << 15 else rnd, kind="stable")
+    local = pair[order] - first
+    return [rnd[order], src[local], dst[local], pair[order], k[order]]
