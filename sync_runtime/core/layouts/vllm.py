@@ -5,15 +5,22 @@ Fused tensors and their order, as vLLM's loaders build them (`stacked_params_map
   replicated when t > nkv (`kv_head_range`).
 - `mlp.gate_up_proj.weight` = [gate rows r-th of t; up rows r-th of t]; also for DeepSeek's
   `mlp.shared_experts.gate_up_proj.weight` (shared experts are a TP-sharded dense MLP).
-- `mlp.experts.w13_weight` [E, 2Im/t, H] (no EP) or [E/t, 2Im, H] (EP, experts of coord.ep_rank);
-  `mlp.experts.w2_weight` [E, H, Im/t] or [E/t, H, Im].
+- `mlp.experts.routed_experts.w13_weight` [E, 2Im/t, H] (no EP) or [E/t, 2Im, H] (EP, experts
+  of coord.ep_rank, vLLM's "linear" placement); `mlp.experts.routed_experts.w2_weight`
+  [E, H, Im/t] or [E/t, H, Im] (vLLM 0.32 names: the FusedMoE module is `experts.routed_experts`).
+- `mlp.gate.e_score_correction_bias` (DeepSeek): vLLM holds it in float32 and loads the
+  checkpoint's values by copy; it is one Parameter, also reachable from the experts module.
 - MLA (deepseek_v3): with q_lora_rank, `self_attn.fused_qkv_a_proj.weight` = [q_a_proj;
   kv_a_proj_with_mqa], replicated (vLLM's DeepseekV2MLAAttention, `mla_params_mapping`);
   without it, q_proj is column-parallel and kv_a_proj_with_mqa replicated. q_b_proj and kv_b_proj
   are column-parallel over heads, o_proj row-parallel, the a-side layernorms full copies.
 Embedding and lm_head: rows r-th of t over V padded to a multiple of 64, padding rows uncovered
 (zero). Tied embeddings: lm_head is absent when p == 1, else cut from the embedding on the last
-stage. Layer names keep global indices; stage ranges come from `stage_layer_ranges`.
+stage (vLLM's lm_head then *is* embed_tokens.weight, it never holds its own copy). MLA's
+`mla_attn.W_UV`/`W_UK_T` are derived from kv_b_proj after loading and never synced. Names and
+per-rank shapes are those vLLM 0.32 reports from its pre-load metadata
+(engines/vllm_apply.engine_tensors; tests/engines/test_vllm_*.py check them against a live
+engine). Layer names keep global indices; stage ranges come from `stage_layer_ranges`.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from sync_runtime.errors import LayoutError, TopologyError
 
 NAME = "vllm"
 VOCAB_MULTIPLE = 64
+EXPERTS = "mlp.experts.routed_experts."
+"""vLLM 0.32's FusedMoE module path inside a MoE block (Qwen3-MoE and DeepSeek alike)."""
 
 # Tensors held whole under their canonical suffix.
 _FULL = (
@@ -105,14 +114,14 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
         require(
             d.num_experts % t == 0,
             NAME,
-            "mlp.experts.w13_weight",
+            EXPERTS + "w13_weight",
             f"E={d.num_experts} not divisible by ep=tp={t}",
         )
     elif d.moe_layers:
         require(
             d.moe_intermediate % t == 0,
             NAME,
-            "mlp.experts.w13_weight",
+            EXPERTS + "w13_weight",
             f"Im={d.moe_intermediate} not divisible by tp={t}",
         )
     if d.shared_intermediate:
@@ -168,7 +177,7 @@ def _experts(out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, co
     experts = layer.experts
     gate0 = experts[0]["gate_proj.weight"]
     im, hidden, dtype = gate0.shape[0], gate0.shape[1], gate0.dtype
-    w13, w2 = f"{p}mlp.experts.w13_weight", f"{p}mlp.experts.w2_weight"
+    w13, w2 = f"{p}{EXPERTS}w13_weight", f"{p}{EXPERTS}w2_weight"
     if spec.ep > 1:
         e0, e1 = part(len(experts), spec.ep, coord.ep_rank)
         lo, hi = 0, im
