@@ -92,8 +92,48 @@ def gather(ref: DeploymentRef, timeout_s: float) -> list[Participant]:
             raise DiscoveryError(
                 f"deployment {ref.name!r}: actor {name} failed ws_meta: {describe_unexpected(e)}"
             ) from e
+        if isinstance(meta, list | tuple):  # one actor, several ranks (an engine with TP workers)
+            out += [
+                Participant(
+                    handle=RankHandle(handle, i), name=f"{name}#{i}", namespace=ref.ray_namespace, meta=m
+                )
+                for i, m in enumerate(meta)
+            ]
+            continue
         out.append(Participant(handle=handle, name=name, namespace=ref.ray_namespace, meta=meta))
     return out
+
+
+class RankHandle:
+    """One rank of a multi-rank actor, called like an actor handle.
+
+    An actor whose `ws_meta()` returns a list (e.g. engines/vllm_replica.py: one vLLM engine,
+    one rank per worker) is N participants; `getattr(h, method).remote(*args)` becomes
+    `actor.ws_rank_call.remote(index, method, args)` and returns that call's ObjectRef, so the
+    coordinator drives every rank alike.
+    """
+
+    def __init__(self, actor: Any, index: int) -> None:
+        self.actor = actor
+        self.index = index
+
+    def __getattr__(self, method: str) -> _RankMethod:
+        if method.startswith("_"):  # dunders and private names are never remote methods
+            raise AttributeError(method)
+        return _RankMethod(self.actor, self.index, method)
+
+    def __repr__(self) -> str:
+        return f"RankHandle({self.actor!r}, {self.index})"
+
+
+@dataclass(frozen=True, slots=True)
+class _RankMethod:
+    actor: Any
+    index: int
+    method: str
+
+    def remote(self, *args: Any) -> Any:
+        return self.actor.ws_rank_call.remote(self.index, self.method, args)
 
 
 def check_side(

@@ -1,0 +1,215 @@
+"""Everything that touches vLLM's private model-loading internals, behind one version check.
+
+Two jobs, both inside a vLLM worker process:
+- `engine_tensors`: the tensors this rank can receive (vLLM name, per-rank shard shape, dtype),
+  read from the live model's pre-load metadata (`LAYERWISE_INFO[module].restore_metadata`, which
+  vLLM records before CPU/GPU post-processing repacks weights into kernel layouts).
+- `apply_shards`: write one full set of staged shards into the model through vLLM's own
+  post-load processing (the six steps of docs/vllm.md), as its layerwise reload does, plus the two
+  fixes vLLM 0.32's reload path lacks (MoE kernel prepack, tied lm_head).
+
+Both use private vLLM API (`vllm.model_executor.model_loader.reload.*`); it changes between
+releases, so `require_supported_vllm` refuses any version this code was not proven against.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sync_runtime.errors import DestinationError, SyncStep
+
+SUPPORTED_VLLM = ("0.32.",)
+"""Release prefixes whose private reload internals this module was proven against (bit-exact)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTensor:
+    """One tensor a rank receives: its vLLM name, per-rank (pre-processing) shape and dtypes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    """The dtype the rank accepts on the wire (what it reports to discovery)."""
+    live_dtype: str
+    """The dtype of the parameter it lands in (a lossless widening may happen at commit)."""
+
+
+def require_supported_vllm() -> str:
+    import vllm
+
+    version = str(vllm.__version__)
+    if not version.startswith(SUPPORTED_VLLM):
+        raise DestinationError(
+            f"vLLM {version}: the weight apply path is proven for {', '.join(SUPPORTED_VLLM)}x only "
+            "(it uses vLLM's private reload internals)"
+        )
+    return version
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str, EngineTensor]:
+    """Every tensor of the live model a sync writes, in module order, each object once.
+
+    Parameters with restore metadata are reported with their logical shard shape (live CPU
+    linears are shape [0] after repacking). Parameters vLLM never moves to meta and loads by
+    plain copy (`e_score_correction_bias`, fp32 in vLLM) are reported with their live shape; a
+    float32 one accepts the checkpoint dtype on the wire, as vLLM's loader does (bf16 -> fp32 is
+    exact). Derived tensors (MLA W_UV/W_UK_T: no metadata) and alias paths of the same
+    Parameter (tied lm_head, the experts' view of the gate bias) are not reported.
+    """
+    require_supported_vllm()
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
+
+    seen: set[int] = set()
+    out: dict[str, EngineTensor] = {}
+    for mname, mod in model.named_modules():
+        info = LAYERWISE_INFO.get(mod)
+        logical_params = info.restore_metadata[0] if info is not None else {}
+        for pname, live in mod._parameters.items():
+            if live is None or id(live) in seen:
+                continue
+            seen.add(id(live))
+            name = f"{mname}.{pname}" if mname else pname
+            logical = logical_params.get(pname)
+            if logical is not None:
+                shape, dtype = tuple(logical.shape), logical.dtype
+                wire = dtype
+            elif pname in SKIP_TENSORS:  # loaded by copy into the live tensor, never on meta
+                shape, dtype = tuple(live.shape), live.dtype
+                wire = model_dtype if dtype == torch.float32 else dtype
+            else:
+                continue  # derived after loading: re-computed by finalize, never synced
+            out[name] = EngineTensor(name, shape, _dtype_name(wire), _dtype_name(dtype))
+    return out
+
+
+def check_expert_placement(vllm_config: Any) -> None:
+    """The vllm layout cuts experts contiguously per EP rank: vLLM's "linear" placement."""
+    pc = vllm_config.parallel_config
+    strategy = getattr(pc, "expert_placement_strategy", "linear")
+    if getattr(pc, "enable_expert_parallel", False) and strategy != "linear":
+        raise DestinationError(f"expert_placement_strategy={strategy!r}: the vllm layout needs 'linear'")
+
+
+def check_staged(staged: Mapping[str, torch.Tensor], expected: Mapping[str, EngineTensor]) -> None:
+    """A commit writes every tensor (vLLM re-materialises whole modules: a missing tensor would
+    leave garbage), each in its reported shape. Checked before the model is touched."""
+    for name, meta in expected.items():
+        buf = staged.get(name)
+        if buf is None:
+            raise DestinationError(f"commit without tensor {name}", tensor=name, step=SyncStep.COMMIT)
+        if tuple(buf.shape) != meta.shape:
+            raise DestinationError(
+                f"{name}: staged shape {list(buf.shape)}, engine holds {list(meta.shape)}",
+                tensor=name,
+                step=SyncStep.COMMIT,
+            )
+    extra = sorted(staged.keys() - expected.keys())
+    if extra:
+        raise DestinationError(
+            f"staged tensor {extra[0]} is not in the engine", tensor=extra[0], step=SyncStep.COMMIT
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ApplyReport:
+    modules: int
+    tensors: int
+    moe_kernels: int
+    tied_reprocessed: tuple[str, ...]
+
+
+def apply_shards(model: torch.nn.Module, vllm_config: Any, staged: Mapping[str, torch.Tensor]) -> ApplyReport:
+    """Steps 1-6 of docs/vllm.md: re-materialise, copy, post-process, restore, finalize, tied."""
+    require_supported_vllm()
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    by_module: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
+    for name, t in staged.items():
+        mname, _, pname = name.rpartition(".")
+        by_module[mname][pname] = t
+    moe = 0
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        initialize_layerwise_reload(model)  # 1: kernel tensors saved, logical params on meta
+        for mname, params in by_module.items():
+            moe += _apply_module(model.get_submodule(mname), mname, params)  # 2-3
+        finalize_layerwise_reload(model, vllm_config.model_config)  # 4: others back; MLA re-derived
+        tied = _reprocess_tied(model, by_module)  # 5
+    return ApplyReport(len(by_module), len(staged), moe, tuple(tied))
+
+
+def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch.Tensor]) -> int:
+    """Copy one module's shards into freshly materialised logical params, then run vLLM's
+    post-load processing of that module (what `_layerwise_process` does after buffered loads)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _copy_and_restore_kernel_tensors,
+        _get_original_loader,
+        get_layerwise_info,
+    )
+    from vllm.model_executor.model_loader.reload.meta import materialize_layer
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    info = get_layerwise_info(layer)
+    materialize_layer(layer, info)  # empty tensors in the logical shard shapes
+    tensors = get_layer_tensors(layer)
+    for pname, src in params.items():
+        dst = tensors.get(pname)
+        if dst is None:
+            raise DestinationError(f"{mname}.{pname}: no such tensor", tensor=f"{mname}.{pname}")
+        # 6: SKIP_TENSORS (e_score_correction_bias) stay live and are written here in place;
+        # copy_ widens bf16 -> fp32 exactly, like vLLM's default loader.
+        dst.data.copy_(src)
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    for p in get_layer_tensors(layer).values():
+        if hasattr(p, "weight_loader"):
+            p.weight_loader = _get_original_loader(p)
+    moe = 0
+    qm = getattr(layer, "quant_method", None)
+    if isinstance(qm, QuantizeMethodBase):
+        qm.process_weights_after_loading(layer)  # CPU GEMM repack, oneDNN handles, MoE layout
+        kernel = getattr(qm, "moe_kernel", None)
+        if kernel is not None:
+            # vLLM 0.32's update path sees moe_kernel set and skips the CPU expert prepack:
+            # without this the prepacked w13/w2 keep the old bytes (same shape, silently wrong).
+            kernel.fused_experts.process_weights_after_loading(layer)
+            moe = 1
+        if hasattr(layer, "update_param_tp_status"):
+            layer.update_param_tp_status()
+    _copy_and_restore_kernel_tensors(layer, info)  # 3: processed values into the live storage
+    info.reset()
+    return moe
+
+
+def _reprocess_tied(model: torch.nn.Module, by_module: Mapping[str, Any]) -> list[str]:
+    """A module sharing an updated Parameter (lm_head tied to embed_tokens) kept a kernel built
+    from the old values (lm_head.cpu_linear); re-run its post-processing."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
+    done = {id(model.get_submodule(m)) for m in by_module}
+    updated = {id(t) for m in by_module for t in model.get_submodule(m)._parameters.values() if t is not None}
+    tied = []
+    for mname, mod in model.named_modules(remove_duplicate=False):
+        if id(mod) in done:
+            continue
+        done.add(id(mod))
+        if any(t is not None and id(t) in updated for t in mod._parameters.values()):
+            qm = getattr(mod, "quant_method", None)
+            if isinstance(qm, QuantizeMethodBase):
+                qm.process_weights_after_loading(mod)
+                tied.append(mname)
+    return tied

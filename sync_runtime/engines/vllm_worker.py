@@ -1,0 +1,259 @@
+"""A vLLM worker as a WeightSync destination rank: `worker_extension_cls` for vllm.LLM.
+
+vLLM mixes `VllmWorkerExtension` into every worker (`worker_extension_cls=
+"sync_runtime.engines.vllm_worker.VllmWorkerExtension"`). Inside each worker it holds an
+ordinary `WeightSyncParticipant` (role destination, coordinates from vLLM's own parallel state)
+whose staging is `VllmStaging`: host buffers in the per-rank shapes of vLLM's pre-load metadata,
+applied at commit through vLLM's loaders and post-processing (vllm_apply.py). The coordinator's
+`ws_*` protocol is therefore exactly the one every other participant speaks; the replica actor
+(vllm_replica.py) only forwards each call through `llm.collective_rpc("ws_dispatch", ...)`, and
+the shards themselves travel over the sync's own process group, never through vLLM's RPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from sync_runtime.core.topology import RankCoord, Role
+from sync_runtime.engines.vllm_apply import (
+    ApplyReport,
+    EngineTensor,
+    apply_shards,
+    check_expert_placement,
+    check_staged,
+    engine_tensors,
+    require_supported_vllm,
+)
+from sync_runtime.errors import DestinationError, ParticipantError, StagingError, SyncStep, WeightSyncError
+from sync_runtime.runtime.participant import ParticipantMeta, WeightSyncParticipant
+from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
+from sync_runtime.transfer.staging import combine_checksums
+
+log = logging.getLogger("weightsync.vllm")
+
+Applier = Callable[[Mapping[str, torch.Tensor]], ApplyReport]
+
+
+class VllmStaging:
+    """`transfer.staging.Staging` for a vLLM rank: host staging, applied by vLLM at commit.
+
+    `tensors` are meta tensors (shape and wire dtype only, no memory): the live weights are in
+    vLLM's kernel layouts (CPU linears repacked to shape [0], MoE experts prepacked) and are never
+    read or written by the transfer. `staged` hands out host buffers, one per tensor; `commit`
+    validates them all, then applies them in one pass; `abort` drops them and leaves the engine
+    as it was. `checksums` are those of the bytes last committed (what the rank holds).
+    """
+
+    def __init__(self, expected: Mapping[str, EngineTensor], apply: Applier, version: str = "") -> None:
+        self.version = version
+        self.poisoned = False
+        self.last_apply: ApplyReport | None = None
+        self._expected = dict(expected)
+        self._meta = {
+            n: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta") for n, t in expected.items()
+        }
+        self._apply = apply
+        self._committed_sums: dict[str, str] = {}
+        self._staged: dict[str, torch.Tensor] | None = None
+        self._pending_version: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def tensors(self) -> MappingProxyType[str, torch.Tensor]:
+        return MappingProxyType(self._meta)
+
+    @property
+    def staging_active(self) -> bool:
+        return self._staged is not None
+
+    @property
+    def pending_version(self) -> str | None:
+        return self._pending_version
+
+    def checksums(self) -> dict[str, str]:
+        return dict(self._committed_sums)
+
+    def set_policy(self, policy: str) -> None:
+        """Only host staging: the device holds vLLM's processed weights, never a second copy."""
+        if policy != "host":
+            raise StagingError(f"staging {policy!r}: a vLLM destination stages in host memory only")
+
+    def begin(self, version: str) -> None:
+        with self._lock:
+            self._staged = {}
+            self._pending_version = version
+
+    def staged(self, name: str, *, fully_written: bool = False) -> torch.Tensor:
+        with self._lock:
+            if self._staged is None:
+                raise StagingError("begin(version) was not called before receiving into staging")
+            buf = self._staged.get(name)
+            if buf is None:
+                meta = self._meta.get(name)
+                if meta is None:
+                    raise StagingError(f"the engine holds no tensor {name!r}", tensor=name)
+                make = torch.empty if fully_written else torch.zeros  # zeros: vocab padding rows
+                buf = make(meta.shape, dtype=meta.dtype, device="cpu")
+                self._staged[name] = buf
+            return buf
+
+    def staged_checksum(self) -> str:
+        with self._lock:
+            if self._staged is None:
+                raise StagingError("staged_checksum() without begin(version)")
+            return combine_checksums(self._staged)
+
+    def commit(self, version: str | None = None) -> str:
+        with self._lock:
+            if self._staged is None or self._pending_version is None:
+                raise StagingError("commit() without begin(version)", step=SyncStep.COMMIT)
+            if version is not None and version != self._pending_version:
+                raise StagingError(
+                    f"commit({version!r}) but staging holds {self._pending_version!r}", step=SyncStep.COMMIT
+                )
+            check_staged(self._staged, self._expected)  # before the model is touched
+            sums = {n: hex_digest(checksum_tensor(t)) for n, t in sorted(self._staged.items())}
+            try:
+                self.last_apply = self._apply(self._staged)
+            except Exception:
+                # The model is half re-materialised: it serves neither version now.
+                self.poisoned = True
+                raise
+            self.version, self.poisoned = self._pending_version, False
+            self._committed_sums = sums
+            self._staged, self._pending_version = None, None
+            return self.version
+
+    def abort(self) -> None:
+        with self._lock:
+            self._staged, self._pending_version = None, None
+
+
+class VllmRankParticipant(WeightSyncParticipant):
+    """The participant inside a vLLM worker. It lives outside Ray (a process vLLM spawned), so
+    the Ray identity it reports is its replica actor's, handed over at setup."""
+
+    actor_name = ""
+    actor_id = ""
+
+    def ws_meta(self) -> ParticipantMeta:
+        st = self._ws_state()
+        from sync_runtime.core.layouts.base import LocalTensorMeta
+
+        metas = tuple(
+            LocalTensorMeta(name=n, shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            for n, t in self._ws_live().items()
+        )
+        return ParticipantMeta(
+            role=st.role,
+            coord=st.coord,
+            layout=st.layout,
+            tensors=metas,
+            node_ip=st.coord.node,
+            device=st.coord.device,
+            pid=os.getpid(),
+            actor_name=self.actor_name,
+            actor_id=self.actor_id,
+            version=self.ws_version(),
+            group_name=st.group_key[0] if st.group_key else None,
+            group_healthy=st.group is not None and bool(st.group.healthy),
+            model_config=None,
+        )
+
+    def ws_sha256(self) -> dict[str, str]:
+        raise ParticipantError("a vLLM rank holds its weights in kernel layouts: compare ws_checksums")
+
+    def ws_tensor(self, name: str) -> torch.Tensor:
+        raise ParticipantError(f"{name}: a vLLM rank holds its weights in kernel layouts, not readable")
+
+
+def _worker_coord(worker: Any, replica: int, node: str) -> tuple[RankCoord, int]:
+    """(coordinates, local index in the engine) from vLLM's own parallel state."""
+    from vllm.distributed import parallel_state as ps
+
+    tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    ep_rank = 0
+    if worker.vllm_config.parallel_config.enable_expert_parallel:
+        ep_rank = ps.get_ep_group().rank_in_group
+    coord = RankCoord(
+        role=Role.DESTINATION,
+        replica=replica,
+        tp_rank=tp.rank_in_group,
+        pp_rank=pp.rank_in_group,
+        ep_rank=ep_rank,
+        node=node,
+        device=str(worker.device),
+    )
+    return coord, pp.rank_in_group * tp.world_size + tp.rank_in_group
+
+
+Result = tuple[str, Any]
+"""("ok", value) | ("error", exception) | ("skip", None): what one worker answers a dispatch."""
+
+
+class VllmWorkerExtension:
+    """Mixed into vLLM's worker class; its methods run inside every worker process."""
+
+    participant_class: type[VllmRankParticipant] = VllmRankParticipant
+    """Tests substitute a subclass (fault injection)."""
+
+    _ws_part: VllmRankParticipant | None = None
+    _ws_index: int = -1
+
+    def ws_dispatch(self, method: str, payload: bytes) -> bytes:
+        """Run `method(*args[my local index])` on this worker's participant.
+
+        `payload` is the pickled {local_index: args}; the answer is a pickled `Result`. vLLM's
+        RPC encodes with msgspec, which would turn dataclasses (RankPlan, ParticipantMeta,
+        RankResult) into dicts, so control data crosses it as pickled bytes (never tensors).
+        Never raises: collective_rpc would drop every other worker's answer, so a failure
+        travels back as this rank's own result and the actor re-raises it for this rank only.
+        """
+        return pickle.dumps(self._ws_dispatch(method, pickle.loads(payload)))
+
+    def _ws_dispatch(self, method: str, per_rank: Mapping[int, tuple]) -> Result:
+        try:
+            if method == "ws_setup":
+                return "ok", self._ws_setup(*per_rank[self._ws_local_index()])
+            index = self._ws_local_index()
+            if index not in per_rank:
+                return "skip", None
+            part = self._ws_part
+            if part is None:
+                raise ParticipantError("ws_setup was never called on this vLLM worker")
+            if not method.startswith("ws_") or not callable(getattr(part, method, None)):
+                raise ParticipantError(f"{method!r} is not a participant method")
+            return "ok", getattr(part, method)(*per_rank[index])
+        except Exception as e:  # typed errors pass as they are; the rest become one line
+            if not isinstance(e, WeightSyncError):
+                log.exception("vLLM worker: %s failed", method)
+                e = DestinationError(f"{method}: {type(e).__name__}: {e}")
+            return "error", e
+
+    def _ws_local_index(self) -> int:
+        if self._ws_index < 0:
+            _, self._ws_index = _worker_coord(self, 0, "")
+        return self._ws_index
+
+    def _ws_setup(self, replica: int, node: str, actor_name: str, actor_id: str) -> ParticipantMeta:
+        """Become a destination rank: tensors and coordinates read from the live engine."""
+        require_supported_vllm()
+        vllm_config = self.vllm_config  # type: ignore[attr-defined]
+        check_expert_placement(vllm_config)
+        model = self.model_runner.model  # type: ignore[attr-defined]
+        coord, self._ws_index = _worker_coord(self, replica, node)
+        expected = engine_tensors(model, vllm_config.model_config.dtype)
+        staging = VllmStaging(expected, lambda staged: apply_shards(model, vllm_config, staged))
+        part = self.participant_class()
+        part.actor_name, part.actor_id = actor_name, actor_id
+        part.ws_init(role=Role.DESTINATION, coord=coord, layout="vllm", tensors={}, destination=staging)
+        self._ws_part = part
+        return part.ws_meta()
