@@ -4,7 +4,8 @@ Trials (each once under `make test`; `make soak` repeats each WS_SOAK=20 times):
 - a destination killed after the commit decision and before its commit; it then comes back;
 - the coordinator killed after the first replica committed; a new one recovers from the record;
 - a training step during the transfer (the source fence), then the same with snapshot=true;
-- the staged bytes of one rank corrupted after the decision.
+- the staged bytes of one rank corrupted after the decision;
+- an in-place sync whose source fails: every replica poisoned (out of serving), then repaired.
 
 A `ServingChecker` reads every destination rank at >= 20 Hz for the whole trial and fails on a
 serving replica whose ranks show different versions, or bytes other than the version they name.
@@ -98,10 +99,14 @@ def env():
     ray.shutdown()
 
 
-def _coordinator(state: dict, hooks: CommitHooks | None = None, snapshot: bool = False) -> Coordinator:
+def _coordinator(
+    state: dict, hooks: CommitHooks | None = None, snapshot: bool = False, staging: str = "host"
+) -> Coordinator:
     if state["coordinator"] is not None:
         state["coordinator"].close()
-    transport = Transport(transfer_timeout_seconds=TIMEOUT_S, connect_timeout_seconds=30, snapshot=snapshot)
+    transport = Transport(
+        transfer_timeout_seconds=TIMEOUT_S, connect_timeout_seconds=30, snapshot=snapshot, staging=staging
+    )
     spec = weightsync_spec(state["setup"], "v1", address=state["address"], transport=transport)
     c = Coordinator(spec, NullReporter(), manifest=state["setup"].manifest, advertise_host="127.0.0.1",
                     store_address=("127.0.0.1", state["store"].port), commit_hooks=hooks)  # fmt: skip
@@ -227,6 +232,24 @@ def test_staged_bytes_corrupted_after_decision(env, rep: int) -> None:
         assert states[0].state is ReplicaState.SERVING and states[0].version == new
         assert states[1].state is ReplicaState.DEGRADED and states[1].rank_versions == [old, new]
         report = _coordinator(env).sync(new)  # the next sync repairs it
+    _judge(checker)
+    _end(checker, setup, new, report)
+
+
+@pytest.mark.parametrize("rep", range(REPEATS))
+def test_inplace_sync_that_fails_poisons_then_next_sync_resends(env, rep: int) -> None:
+    setup, old, new = env["setup"], f"p{rep}a", f"p{rep}b"
+    _repair(env, old)
+    source = find_actors(NS, setup.src_prefix)[1][1]
+    ray.get(source.ws_arm.remote("raise"))
+    with _checker(setup, old, new) as checker:
+        train_step(setup, new)
+        report = _coordinator(env, staging="inplace").sync(new)
+        ray.get(source.ws_arm.remote(None))
+        assert report.result is SyncResult.FAILED and report.failure.reason == Reason.SOURCE_ERROR
+        assert {r.state for r in report.replicas} == {ReplicaState.POISONED}, report.replicas
+        assert checker.final() == {0: None, 1: None}  # neither version: nobody serves
+        report = _coordinator(env, staging="inplace").sync(new)  # resent in full, in place
     _judge(checker)
     _end(checker, setup, new, report)
 

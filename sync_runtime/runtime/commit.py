@@ -25,7 +25,7 @@ import ray
 
 from sync_runtime.errors import MixedVersions, ReplicaPoisoned, SyncFailure, SyncStep
 from sync_runtime.runtime.calls import remote_error
-from sync_runtime.runtime.discovery import Participant
+from sync_runtime.runtime.discovery import DiscoveredSide, Participant
 from sync_runtime.schema.report import ReplicaState, ReplicaVersion
 from sync_runtime.transfer import CommitRecord, commit_decision, parse_decision
 
@@ -48,6 +48,16 @@ class CommitHooks:
     after_decision: Callable[[], None] | None = None
     after_replica: Callable[[int], None] | None = None
     """(index of the replica just settled, in commit order)."""
+
+
+def destinations(sides: Sequence[DiscoveredSide]) -> list[Dest]:
+    """The destination ranks of discovered sides (source first), with their global ranks."""
+    out, rank = [], len(sides[0].participants)
+    for side in sides[1:]:
+        for p in side.participants:
+            out.append(Dest(rank, p, side.ref.name))
+            rank += 1
+    return out
 
 
 def new_txn() -> str:

@@ -41,6 +41,7 @@ from sync_runtime.runtime.calls import call_all
 from sync_runtime.runtime.commit import (
     CommitHooks,
     Dest,
+    destinations,
     new_txn,
     open_store,
     recover,
@@ -158,11 +159,7 @@ class Coordinator:
         t = time.monotonic()
         manifest, sides, digest = discover_all(self.spec, self._manifest, self._meta_timeout())
         att.stages.discover = time.monotonic() - t
-        rank = len(sides[0].participants)
-        for side in sides[1:]:
-            for p in side.participants:
-                att.dests.append(Dest(rank, p, side.ref.name))
-                rank += 1
+        att.dests = destinations(sides)
         self._ensure_store()
         att.replicas, att.recovered = recover(att.dests, self._store, self._rpc_timeout())
         # After recovery: what the replicas hold now (it may have rolled a commit forward).
