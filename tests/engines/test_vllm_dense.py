@@ -1,0 +1,142 @@
+"""Real vLLM destinations, dense Qwen3 (tied embeddings), TP 1, two replicas.
+
+Sources: the demo's Megatron-layout actors (tp=2). Destinations: two `VllmReplica` actors, each a
+vLLM 0.32 CPU engine started with dummy weights. Oracle: the same vLLM loaded normally from the
+reference checkpoint (the demo's canonical tensors written as an HF model dir).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.models import build_manifest
+from sync_runtime.core.topology import ParallelSpec, Role
+from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants, train_step
+from sync_runtime.errors import TopologyMismatchError
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.discovery import check_side, gather
+from sync_runtime.schema.report import SyncResult
+from tests.support import vllm_faults
+from tests.support.vllm_deploy import (
+    CONFIGS,
+    destination_ref,
+    generations,
+    rows_equal,
+    start_replica,
+    stop_replicas,
+    sync_spec,
+    write_model,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+NS = "vllm-dense"
+DST = ParallelSpec.parse("tp=1,replicas=2")
+
+
+class Reports:
+    def progress(self, event: Any) -> None:
+        pass
+
+    def finished(self, report: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    config = CONFIGS["qwen3"]
+    manifest = build_manifest(config)
+    ref_dir = write_model(tmp_path_factory.mktemp("qwen3") / "v2", config, manifest, seed=0, version="v2")
+    setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=2", DST, namespace=NS, seed=0)
+    replicas = [
+        start_replica(f"infer-r{k}", NS, ref_dir, tp=1, replica=k, extension=vllm_faults.EXTENSION)
+        for k in range(2)
+    ]
+    reference = start_replica("reference", NS, ref_dir, tp=1, load_format="auto")
+    try:
+        create_participants(
+            setup, src_version="v1", dst_version="-", skip=lambda c: c.role is Role.DESTINATION
+        )
+        ray.get([h.ws_num_ranks.remote() for h in [*replicas, reference]], timeout=500)
+        ref_gen = generations([reference])[0]
+        stop_replicas([reference])
+        spec = sync_spec(
+            setup.model,
+            NS,
+            setup.src,
+            [destination_ref("inference", NS, "infer-", DST)],
+            "v1",
+            bucket_mb=1,
+            staging_budget_mb=2,
+        )
+        yield {"setup": setup, "replicas": replicas, "ref_v2": ref_gen, "spec": spec, "manifest": manifest}
+    finally:
+        stop_replicas(replicas)
+        kill_participants(setup)
+
+
+def test_engine_reports_the_layouts_tensors(deployment: dict[str, Any]) -> None:
+    """Names, per-rank shapes and dtypes read from the live engine equal the vllm layout's."""
+    metas = ray.get(deployment["replicas"][0].ws_meta.remote())
+    assert len(metas) == 1
+    got = {t.name: (tuple(t.shape), t.dtype) for t in metas[0].tensors}
+    shard = get_layout("vllm").shard(deployment["manifest"], DST, metas[0].coord)
+    assert got == {t.name: (tuple(t.shape), t.dtype) for t in shard.tensors}
+    assert got["model.embed_tokens.weight"] == ((1024, 256), "bfloat16")  # V=1000 padded to 64
+    assert "lm_head.weight" not in got  # tied: vLLM's lm_head is embed_tokens.weight
+
+
+def test_a_tensor_the_engine_does_not_hold_is_refused_before_any_byte(deployment: dict[str, Any]) -> None:
+    config = dict(CONFIGS["qwen3"], intermediate_size=384)
+    ref = deployment["spec"].destinations[0]
+    with pytest.raises(TopologyMismatchError) as e:
+        check_side(ref, Role.DESTINATION, gather(ref, timeout_s=60), build_manifest(config))
+    msg = str(e.value)
+    assert "rank replica=0,pp=0,tp=0 (actor infer-r0#0): tensor model.layers.0.mlp.gate_up_proj.weight" in msg
+    assert "has shape [1024, 256], manifest says [768, 256]" in msg
+
+
+def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment: dict[str, Any]) -> None:
+    setup, replicas = deployment["setup"], deployment["replicas"]
+    dummy = generations(replicas)
+    coordinator = Coordinator(deployment["spec"], Reports(), manifest=deployment["manifest"])
+    try:
+        report = coordinator.sync("v1")
+        assert report.result is SyncResult.SUCCEEDED, report.failure
+        v1 = generations(replicas)
+        assert ray.get([h.weight_version.remote() for h in replicas]) == ["v1", "v1"]
+        train_step(setup, "v2")  # the sources' tensors change
+        report = coordinator.sync("v2")
+        assert report.result is SyncResult.SUCCEEDED, report.failure
+        v2 = generations(replicas)
+    finally:
+        coordinator.close()
+    ref = deployment["ref_v2"]
+    assert v2[0] == ref and v2[1] == ref  # token ids and logprobs, bit for bit
+    assert rows_equal(dummy[0], ref) == 0  # negative control: the dummy weights generate otherwise
+    assert rows_equal(v1[0], ref) == 0  # and so does the previous version
+    deployment["v2_gen"] = v2
+
+
+def test_a_destination_killed_mid_transfer_leaves_the_others_serving(deployment: dict[str, Any]) -> None:
+    setup, (r0, r1) = deployment["setup"], deployment["replicas"]
+    before = generations([r0])[0]
+    train_step(setup, "v3")
+    ray.get(r1.ws_rank_call.remote(0, "ws_arm_exit", (1,)))  # dies after round 0 of its ws_run
+    spec = deployment["spec"]
+    coordinator = Coordinator(spec, Reports(), manifest=deployment["manifest"])
+    try:
+        report = coordinator.sync("v3")
+    finally:
+        coordinator.close()
+    assert report.result is not SyncResult.SUCCEEDED and report.failure is not None
+    print("killed mid-transfer:", report.failure.reason, report.failure.rank, report.failure.message)
+    assert ray.get(r0.weight_version.remote()) == "v2"
+    assert generations([r0])[0] == before == deployment.get("v2_gen", [before])[0]
+    meta = dataclasses.replace(ray.get(r0.ws_meta.remote())[0])
+    assert meta.version == "v2"
