@@ -52,7 +52,20 @@ for line in metadata.distribution(sys.argv[1]).requires or []:
     req.marker = None
     print(req)
 PY
-  grep -v '^torch==' "$root/constraints.txt" >"$venv/constraints.txt"
+  # What vLLM itself requires is the engine's choice (e.g. transformers <5.20, its setuptools):
+  # our pins apply to everything else, and our torch line never (the engine's torch wins).
+  "$venv/bin/python" - "$root/constraints.txt" "$venv/vllm-requirements.txt" >"$venv/constraints.txt" <<'PY'
+import sys
+from pip._vendor.packaging.requirements import Requirement
+from pip._vendor.packaging.utils import canonicalize_name
+engine = {canonicalize_name(Requirement(r).name) for r in open(sys.argv[2]).read().split("\n") if r.strip()}
+for line in open(sys.argv[1]):
+    line = line.strip()
+    if line and not line.startswith("#"):
+        name = canonicalize_name(Requirement(line).name)
+        if name not in engine and name != "torch":
+            print(line)
+PY
   printf '%s\n' "$requirements" >"$venv/requirements.txt"
   "${pip[@]}" -c "$venv/constraints.txt" "$torch_pin" -r "$venv/vllm-requirements.txt" -r "$venv/requirements.txt" >&2
   touch "$venv/.complete"
