@@ -3,7 +3,7 @@
 Families: llama (Llama 3, Qwen2, Qwen3), qwen3_moe, deepseek_v3 (also Kimi-K2).
 """
 
-from sync_runtime.core.models.builders import build_manifest
+from sync_runtime.core.models.builders import TENSOR_DTYPES_KEY, build_manifest
 from sync_runtime.core.models.config import (
     FAMILIES,
     ModelDims,
@@ -18,6 +18,7 @@ __all__ = [
     "FAMILIES",
     "ModelConfigError",
     "ModelDims",
+    "TENSOR_DTYPES_KEY",
     "available_presets",
     "build_manifest",
     "load_model_config",

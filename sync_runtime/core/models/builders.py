@@ -1,7 +1,9 @@
 """config.json -> `Manifest`: the tensors of the published Hugging Face checkpoint (DESIGN 3).
 
 Names and shapes follow the safetensors files as stored (per-expert MoE tensors). Every tensor
-is modelled as bfloat16. DeepSeek-V3 and Kimi-K2 publish FP8 block-quantised weights with
+is modelled as bfloat16 unless the config's `weightsync_tensor_dtypes` says otherwise: the dtype
+each canonical tensor has on the wire, i.e. as the source holds it (a Megatron source reports
+its live dtypes there, e.g. fp32 norms and router expert_bias in a bf16 model). DeepSeek-V3 and Kimi-K2 publish FP8 block-quantised weights with
 `weight_scale_inv` tensors (and an F32 `e_score_correction_bias`); we model their bf16
 equivalents (the form a trainer and a bf16 vLLM deployment hold), without scale tensors.
 MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are not synced.
@@ -9,13 +11,17 @@ MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from sync_runtime.core.manifest import Manifest, TensorMeta
+from sync_runtime.core.manifest import DTYPE_BYTES, Manifest, TensorMeta
 from sync_runtime.core.models.config import ModelDims, model_dims
+from sync_runtime.errors import ModelConfigError
 
 DTYPE = "bfloat16"
+TENSOR_DTYPES_KEY = "weightsync_tensor_dtypes"
+"""Config key: {canonical tensor name: dtype} overriding DTYPE per tensor (not an HF field)."""
 
 
 def _t(name: str, *shape: int) -> TensorMeta:
@@ -105,4 +111,17 @@ def build_manifest(config: dict[str, Any]) -> Manifest:
     Raises ModelConfigError for unknown families or missing/unsupported fields.
     """
     dims = model_dims(config)
-    return Manifest(family=dims.family, tensors=tuple(tensors_of(dims)), config=dict(config), dtype=DTYPE)
+    tensors = _with_dtypes(tuple(tensors_of(dims)), config.get(TENSOR_DTYPES_KEY) or {})
+    return Manifest(family=dims.family, tensors=tensors, config=dict(config), dtype=DTYPE)
+
+
+def _with_dtypes(tensors: tuple[TensorMeta, ...], dtypes: dict[str, str]) -> tuple[TensorMeta, ...]:
+    names = {t.name for t in tensors}
+    for name, dtype in dtypes.items():
+        if name not in names:
+            raise ModelConfigError(f"{TENSOR_DTYPES_KEY}: {name!r} is not a tensor of this model")
+        if dtype not in DTYPE_BYTES:
+            raise ModelConfigError(
+                f"{TENSOR_DTYPES_KEY}: {name}: dtype {dtype!r} unknown (known: {', '.join(DTYPE_BYTES)})"
+            )
+    return tuple(dataclasses.replace(t, dtype=dtypes[t.name]) if t.name in dtypes else t for t in tensors)
