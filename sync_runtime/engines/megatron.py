@@ -1,0 +1,253 @@
+"""A Megatron-Core trainer rank as a WeightSync source participant (DESIGN 4.2, 4.5).
+
+    source = MegatronSource(model, hf_config)      # collectively, on every trainer rank
+    self.ws_init(**source.participant_args())      # inside the Ray actor that owns the model
+
+`model` is Megatron's chunk list (one GPTModel per VPP stage, as `get_model` returns it, DDP /
+Float16Module wrappers allowed); `parallel_state` must be initialised. Coordinates come from
+Megatron's own getters, names from the live modules, tensors are the live storage (no copies),
+each with its own dtype. The dtypes of every canonical tensor are gathered over the trainer's
+world once, so every rank reports the same manifest (`weightsync_tensor_dtypes` in the model
+config): a bf16 model's fp32 norms and router `expert_bias` travel as fp32.
+
+Before any byte moves the rank checks itself against the layout and raises `LayoutError` naming
+the tensor: a name no rule knows (for example a TE-only tensor in a local-spec layout), a shape
+or dtype the layout does not expect, a vocabulary not padded to a multiple of 128·tp, layers
+whose `layer_number` is not where the PP/VPP split puts them, experts not where EP puts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.layouts._rules import round_up
+from sync_runtime.core.layouts.base import RankShard
+from sync_runtime.core.layouts.megatron import NAME, TE_NAME, VOCAB_MULTIPLE_PER_TP, chunk_ranges
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest, model_dims
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
+from sync_runtime.engines.megatron_names import LiveTensor, layer_numbers, live_tensors, unwrap
+from sync_runtime.errors import LayoutError
+from sync_runtime.runtime.participant import WeightSyncParticipant, dtype_name
+
+LAYOUTS_BY_SPEC = (NAME, TE_NAME)
+"""Megatron-Core's local spec first: on a tie (no stray names either way) it wins."""
+_VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def megatron_coord() -> tuple[RankCoord, ParallelSpec]:
+    """This rank's coordinate and its side's sizes, from Megatron's parallel_state getters."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_context_parallel_world_size() != 1:
+        raise LayoutError("megatron: context parallelism is not supported by the megatron layout")
+    coord = RankCoord(
+        role=Role.SOURCE,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        edp_rank=ps.get_expert_data_parallel_rank(),
+    )
+    spec = ParallelSpec(
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        etp=ps.get_expert_tensor_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+    )
+    return coord, spec
+
+
+class MegatronSource:
+    """One trainer rank's shards under the `megatron` (local spec) or `megatron-te` layout."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        hf_config: Mapping[str, Any],
+        *,
+        layer_counts: tuple[int, ...] | None = None,
+        gather_dtypes: bool = True,
+    ) -> None:
+        """`hf_config`: the config.json of the checkpoint this model trains (canonical names).
+        `layer_counts`: per-stage layer counts when the PP split is uneven (Megatron's explicit
+        first/last-stage sizes). `gather_dtypes=False` skips the collective (single rank tests)."""
+        self.chunks = unwrap(model)
+        self.coord, spec = megatron_coord()
+        self.spec = ParallelSpec(**{**_spec_fields(spec), "layer_counts": layer_counts})
+        self.live: list[LiveTensor] = live_tensors(self.chunks)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.layout = NAME  # until _pick_layout has seen the names
+        base = {k: v for k, v in hf_config.items() if k != TENSOR_DTYPES_KEY}
+        self._check_vocab(base)
+        self.layout, shard = self._pick_layout(build_manifest(base))
+        dtypes = self._canonical_dtypes(shard)
+        if gather_dtypes and dist.is_initialized() and dist.get_world_size() > 1:
+            dtypes = _all_union(dtypes)
+        self.model_config: dict[str, Any] = {**base, TENSOR_DTYPES_KEY: dict(sorted(dtypes.items()))}
+        self.manifest: Manifest = build_manifest(self.model_config)
+        self.check()
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {t.name: t.tensor for t in self.live}
+
+    def participant_args(self) -> dict[str, Any]:
+        """Keyword arguments of `WeightSyncParticipant.ws_init` for this rank."""
+        return {
+            "role": Role.SOURCE,
+            "coord": self.coord,
+            "layout": self.layout,
+            "tensors": self.tensors,
+            "model_config": self.model_config,
+        }
+
+    # ---- checks, before any byte moves -----------------------------------------------------
+
+    def _pick_layout(self, manifest: Manifest) -> tuple[str, RankShard]:
+        """The naming (local spec or TE) whose rules explain the most live names: the spec a model
+        was built with decides its names; a stray name then fails the check by its own name."""
+        names = {t.name for t in self.live}
+        best: tuple[int, str, RankShard] | None = None
+        error: LayoutError | None = None
+        for layout in LAYOUTS_BY_SPEC:
+            self.layout = layout
+            try:
+                shard = self._shard(manifest)
+            except LayoutError as e:
+                error = error or e
+                continue
+            unknown = len(names - {t.name for t in shard.tensors})
+            if best is None or unknown < best[0]:
+                best = (unknown, layout, shard)
+        if best is None:
+            assert error is not None
+            raise error
+        return best[1], best[2]
+
+    def _shard(self, manifest: Manifest) -> RankShard:
+        try:
+            return get_layout(self.layout).shard(manifest, self.spec, self.coord)
+        except LayoutError as e:
+            raise LayoutError(f"rank {self.rank}: {e}", rank=self.rank, tensor=e.tensor) from e
+
+    def _refuse(self, tensor: str, problem: str) -> LayoutError:
+        return LayoutError(
+            f"{self.layout}: rank {self.rank}: {tensor}: {problem}", rank=self.rank, tensor=tensor
+        )
+
+    def _check_vocab(self, config: Mapping[str, Any]) -> None:
+        vocab, t = model_dims(dict(config)).vocab, self.spec.tp
+        want = round_up(vocab, VOCAB_MULTIPLE_PER_TP * t)
+        for lt in self.live:
+            if _unprefixed(lt.name) in _VOCAB_TENSORS:
+                got = lt.tensor.shape[0] * t
+                if got != want:
+                    raise self._refuse(
+                        lt.name,
+                        f"vocabulary padded to {got} rows, expected V={vocab} rounded up to a "
+                        f"multiple of {VOCAB_MULTIPLE_PER_TP}*tp={VOCAB_MULTIPLE_PER_TP * t}: {want}",
+                    )
+
+    def _canonical_dtypes(self, shard: RankShard) -> dict[str, str]:
+        """Canonical tensor -> dtype of the local tensor holding it (unknown names refused)."""
+        live = {t.name: t.tensor for t in self.live}
+        expected = {t.name for t in shard.tensors}
+        for name in live:
+            if name not in expected:
+                raise self._refuse(name, f"no rule of the {self.layout} layout produces this tensor")
+        return {p.tensor: dtype_name(live[p.local_name].dtype) for p in shard.pieces if p.local_name in live}
+
+    def check(self) -> None:
+        """Names, shapes and dtypes against the layout; layer and expert placement."""
+        shard = self._shard(self.manifest)
+        live = {t.name: t.tensor for t in self.live}
+        for meta in shard.tensors:
+            t = live.get(meta.name)
+            if t is None:
+                raise self._refuse(meta.name, "the layout expects this tensor, the model has none")
+            if tuple(t.shape) != tuple(meta.shape):
+                raise self._refuse(meta.name, f"shape {list(t.shape)}, the layout expects {list(meta.shape)}")
+            if dtype_name(t.dtype) != meta.dtype:
+                raise self._refuse(meta.name, f"dtype {dtype_name(t.dtype)}, the manifest says {meta.dtype}")
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        d = model_dims(self.manifest.config)
+        ranges = chunk_ranges(d.num_layers, self.spec)[self.coord.pp_rank]
+        for c, (chunk, want) in enumerate(zip(self.chunks, ranges, strict=True)):
+            got = layer_numbers(chunk)
+            if got != list(want):
+                raise self._refuse(
+                    f"chunk {c} decoder.layers",
+                    f"global layers {got} (layer_number - 1), the PP/VPP split puts {list(want)} here",
+                )
+        per_rank = d.num_experts // self.spec.ep if d.num_experts else 0
+        first = self.coord.ep_rank * per_rank
+        for lt in self.live:
+            if lt.expert and lt.name.count("local_experts.") and per_rank:
+                e = int(lt.global_name.split("local_experts.")[1].split(".")[0])
+                if not first <= e < first + per_rank:
+                    raise self._refuse(
+                        lt.name,
+                        f"global expert {e}, EP rank {self.coord.ep_rank} holds "
+                        f"[{first}, {first + per_rank})",
+                    )
+
+
+def _unprefixed(name: str) -> str:
+    """A layout name without our `chunk{c}.` prefix."""
+    head, _, rest = name.partition(".")
+    return rest if head.startswith("chunk") and head[5:].isdigit() else name
+
+
+def _spec_fields(spec: ParallelSpec) -> dict[str, Any]:
+    return {k: getattr(spec, k) for k in ("tp", "pp", "dp", "ep", "etp", "vpp")}
+
+
+def _all_union(dtypes: dict[str, str]) -> dict[str, str]:
+    """Union of every rank's canonical dtypes (the trainer's default group); a tensor two ranks
+    hold in different dtypes is refused: the wire carries one dtype per canonical tensor."""
+    gathered: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dtypes)
+    out: dict[str, str] = {}
+    for rank, part in enumerate(gathered):
+        for name, dtype in (part or {}).items():
+            if out.setdefault(name, dtype) != dtype:
+                raise LayoutError(
+                    f"megatron: {name}: rank {rank} holds it as {dtype}, another rank as {out[name]}",
+                    rank=rank,
+                    tensor=name,
+                )
+    return out
+
+
+class MegatronSourceParticipant(WeightSyncParticipant):
+    """Mixin for the Ray actor that owns a Megatron model: `self.ws_megatron_init(model, hf_config)`."""
+
+    ws_source: MegatronSource | None = None
+
+    def ws_megatron_init(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        hf_config: Mapping[str, Any],
+        *,
+        version: str | None = None,
+        layer_counts: tuple[int, ...] | None = None,
+    ) -> MegatronSource:
+        source = MegatronSource(model, hf_config, layer_counts=layer_counts)
+        self.ws_init(**source.participant_args(), version=version)
+        self.ws_source = source
+        return source
+
+    def ws_set_source_version(self, version: str) -> None:
+        """The trainer stepped: the live tensors already hold the new weights, name their version."""
+        self._ws_state().version = version

@@ -1,0 +1,165 @@
+"""Megatron-Core shards -> canonical Hugging Face tensors, from Megatron's own split attributes.
+
+The converter is deliberately independent of the layouts: it reassembles full tensors from each
+parameter's `partition_dim` / `partition_stride` and its TP (or expert-TP) rank, then renames
+them the way the logits test proved against transformers (TP 1, fp32). The demo and the tests
+check what a sync delivered against its output, so a wrong layout rule cannot hide behind itself.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sync_runtime.core.models import model_dims
+from sync_runtime.engines.megatron_names import LiveTensor
+
+
+@dataclass(frozen=True, slots=True)
+class ExportedShard:
+    """A copy of one live tensor with what is needed to put it back together."""
+
+    global_name: str
+    tensor: torch.Tensor
+    partition_dim: int | None
+    partition_stride: int
+    group_rank: int
+    group_size: int
+
+
+def export_shards(live: Iterable[LiveTensor]) -> list[ExportedShard]:
+    """This rank's tensors as copies (to ship to a driver); TP or expert-TP rank from Megatron."""
+    from megatron.core import parallel_state as ps
+
+    tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
+    etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+    return [
+        ExportedShard(
+            t.global_name,
+            t.tensor.detach().clone(),
+            t.partition_dim,
+            t.partition_stride,
+            *(etp if t.expert else tp),
+        )
+        for t in live
+    ]
+
+
+def _join(parts: list[ExportedShard]) -> torch.Tensor:
+    """Full tensor from one shard per group rank; stride s: each shard is s interleaved blocks."""
+    first = parts[0]
+    if first.partition_dim is None:
+        return first.tensor
+    dim, s = first.partition_dim, first.partition_stride
+    pieces = [p.tensor.chunk(s, dim=dim) for p in parts]
+    return torch.cat([pieces[r][j] for j in range(s) for r in range(len(parts))], dim=dim)
+
+
+def gather_full(exports: Iterable[Iterable[ExportedShard]]) -> dict[str, torch.Tensor]:
+    """Full Megatron tensors (global names) from every source rank's exports (replicas dropped)."""
+    by_name: dict[str, dict[int, ExportedShard]] = defaultdict(dict)
+    for rank_exports in exports:
+        for e in rank_exports:
+            by_name[e.global_name].setdefault(e.group_rank if e.partition_dim is not None else 0, e)
+    out = {}
+    for name, by_rank in by_name.items():
+        size = (
+            next(iter(by_rank.values())).group_size
+            if next(iter(by_rank.values())).partition_dim is not None
+            else 1
+        )
+        if sorted(by_rank) != list(range(size)):
+            raise ValueError(f"{name}: shards of group ranks {sorted(by_rank)}, expected 0..{size - 1}")
+        out[name] = _join([by_rank[r] for r in range(size)])
+    return out
+
+
+_ATTN = {  # Megatron attention suffix (local spec, then TE) -> HF suffix
+    "linear_proj.weight": "o_proj.weight",
+    "q_layernorm.weight": "q_norm.weight",
+    "k_layernorm.weight": "k_norm.weight",
+    "linear_q_down_proj.weight": "q_a_proj.weight",
+    "linear_q_up_proj.weight": "q_b_proj.weight",
+    "linear_q_proj.weight": "q_proj.weight",
+    "linear_kv_down_proj.weight": "kv_a_proj_with_mqa.weight",
+    "kv_layernorm.weight": "kv_a_layernorm.weight",
+    "linear_kv_up_proj.weight": "kv_b_proj.weight",
+    "linear_q_up_proj.layer_norm_weight": "q_a_layernorm.weight",
+    "linear_kv_up_proj.layer_norm_weight": "kv_a_layernorm.weight",
+}
+# MLA has no q_norm: under the local spec its q_layernorm is the q_a_layernorm.
+_ATTN_MLA = {**_ATTN, "q_layernorm.weight": "q_a_layernorm.weight"}
+_NORMS = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_q_proj.layer_norm_weight": "input_layernorm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
+}
+
+
+def _mlp(out: dict[str, torch.Tensor], hf: str, fc1: torch.Tensor | None, fc2: torch.Tensor | None) -> None:
+    if fc1 is not None:
+        out[hf + "gate_proj.weight"], out[hf + "up_proj.weight"] = fc1.chunk(2, dim=0)
+    if fc2 is not None:
+        out[hf + "down_proj.weight"] = fc2
+
+
+def _layer_tensor(
+    out: dict[str, torch.Tensor], h: str, rest: str, t: torch.Tensor, qkv: Any, mla: bool
+) -> None:
+    attn = _ATTN_MLA if mla else _ATTN
+    if rest in _NORMS:
+        out[h + _NORMS[rest]] = t
+    elif rest.startswith("self_attention.") and rest.removeprefix("self_attention.") in attn:
+        out[h + "self_attn." + attn[rest.removeprefix("self_attention.")]] = t
+    elif rest == "self_attention.linear_qkv.weight" or rest == "self_attention.linear_qkv.bias":
+        kind = rest.rpartition(".")[2]
+        for x, part in zip("qkv", qkv(t), strict=True):
+            out[f"{h}self_attn.{x}_proj.{kind}"] = part
+    elif rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
+        _mlp(out, h + rest.removesuffix("linear_fc1.weight"), t, None)
+    elif rest in ("mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
+        _mlp(out, h + rest.removesuffix("linear_fc2.weight"), None, t)
+    elif rest.startswith("mlp.experts."):
+        tail = rest.removeprefix("mlp.experts.").removeprefix("local_experts.")
+        if tail[0].isdigit():  # local spec: {e}.linear_fc{1,2}.weight
+            e, _, which = tail.partition(".")
+        else:  # TE grouped: linear_fc{1,2}.weight{e}
+            which, e = tail[: len("linear_fcN.weight")], tail[len("linear_fcN.weight") :]
+        fc1 = t if which.startswith("linear_fc1") else None
+        _mlp(out, f"{h}mlp.experts.{e}.", fc1, None if fc1 is not None else t)
+    else:
+        raise ValueError(f"decoder layer tensor {rest!r}: no HF counterpart known")
+
+
+def to_hf(full: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Canonical HF checkpoint tensors (per-expert names) from full Megatron tensors."""
+    d = model_dims(dict(hf_config))
+    per, hd = (d.num_heads // d.num_kv_heads, d.head_dim) if not d.mla else (1, 0)
+
+    def qkv(w: torch.Tensor) -> list[torch.Tensor]:
+        grouped = w.reshape(d.num_kv_heads, (per + 2) * hd, *w.shape[1:])
+        return [p.reshape(-1, *w.shape[1:]) for p in grouped.split([per * hd, hd, hd], dim=1)]
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in full.items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t[: d.vocab]
+        elif name == "output_layer.weight":
+            if not d.tie_embeddings:  # tied: a copy of the embedding, not a tensor of its own
+                out["lm_head.weight"] = t[: d.vocab]
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = t
+        elif name.startswith("decoder.layers."):
+            index, _, rest = name.removeprefix("decoder.layers.").partition(".")
+            _layer_tensor(out, f"model.layers.{index}.", rest, t, qkv, d.mla)
+        else:
+            raise ValueError(f"{name!r}: no HF counterpart known")
+    return out
