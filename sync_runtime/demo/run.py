@@ -65,6 +65,12 @@ __all__ = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or path of a config.json")
+    parser.add_argument(
+        "--source",
+        choices=("synthetic", "megatron-core"),
+        default="synthetic",
+        help="synthetic seeded shards (default) or real Megatron-Core trainer ranks (embedded cluster only)",
+    )
     parser.add_argument("--src", default="tp=2,pp=2,ep=2", help="source (megatron) parallelism")
     parser.add_argument("--dst", default="tp=2,ep=2,replicas=2", help="destination (vllm) parallelism")
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, version)")
@@ -89,6 +95,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.source == "megatron-core":
+        if args.ray_address or args.participants_only or args.train_step or args.verify_only:
+            console.print("[red]--source megatron-core runs on an embedded cluster only[/]")
+            return 2
+        from sync_runtime.demo.megatron_run import run_megatron_demo
+
+        return run_megatron_demo(args, console)
     setup = DemoSetup.create(
         args.model,
         args.src,

@@ -1,0 +1,168 @@
+"""Real Megatron-Core GPT models from a Hugging Face config, on CPU over gloo (demo, tests, bench).
+
+`megatron_config` maps the config.json fields of the three supported families (llama/qwen2/
+qwen3, qwen3_moe, deepseek_v3) onto a TransformerConfig for the local spec; `build_chunks`
+builds one GPTModel per VPP chunk with Megatron's seeded initialisation. The CPU workarounds
+live in `sync_runtime.engines.megatron_cpu`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sync_runtime.core.layouts._rules import round_up
+from sync_runtime.core.layouts.megatron import VOCAB_MULTIPLE_PER_TP
+from sync_runtime.core.models import ModelDims, model_dims
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.engines import megatron_cpu
+
+
+def init_parallel(spec: ParallelSpec, seed: int) -> None:
+    """Megatron's parallel state over the already initialised default (gloo) group, seeded."""
+    megatron_cpu.install()
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=spec.tp,
+        pipeline_model_parallel_size=spec.pp,
+        virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
+        expert_model_parallel_size=spec.ep,
+        expert_tensor_parallel_size=spec.etp,
+    )
+    # The inference RNG tracker avoids torch.cuda RNG state calls (CPU).
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+    torch.manual_seed(seed)
+
+
+def _moe(d: ModelDims, config: Mapping[str, Any]) -> dict[str, Any]:
+    ds = d.family == "deepseek_v3"
+    kw: dict[str, Any] = {
+        **megatron_cpu.CPU_MOE_CONFIG,
+        "num_moe_experts": d.num_experts,
+        "moe_ffn_hidden_size": d.moe_intermediate,
+        "moe_router_topk": int(config.get("num_experts_per_tok") or 2),
+        "moe_layer_freq": [1 if i in d.moe_layers else 0 for i in range(d.num_layers)],
+        "moe_router_load_balancing_type": "none" if ds else "aux_loss",
+        "moe_aux_loss_coeff": 0.0 if ds else 1e-2,
+        "moe_router_enable_expert_bias": d.expert_bias,
+        "moe_router_score_function": "sigmoid" if ds else "softmax",
+        "moe_router_pre_softmax": False,
+        "moe_router_topk_scaling_factor": float(config.get("routed_scaling_factor") or 2.5) if ds else None,
+    }
+    if d.expert_bias:
+        kw["moe_router_bias_update_rate"] = 1e-3
+    if d.shared_intermediate:
+        kw["moe_shared_expert_intermediate_size"] = d.shared_intermediate
+    return kw
+
+
+def megatron_config(
+    config: Mapping[str, Any], spec: ParallelSpec, dtype: torch.dtype = torch.float32, init_std: float = 0.02
+) -> Any:
+    """The TransformerConfig (MLATransformerConfig for deepseek_v3) of an HF config."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+
+    d = model_dims(dict(config))
+    kw: dict[str, Any] = {
+        **megatron_cpu.CPU_CONFIG,
+        "num_layers": d.num_layers,
+        "hidden_size": d.hidden,
+        "num_attention_heads": d.num_heads,
+        "num_query_groups": d.num_kv_heads,
+        "kv_channels": d.head_dim,
+        "ffn_hidden_size": d.intermediate,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": float(config.get("rms_norm_eps") or 1e-6),
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": d.qkv_bias,
+        "qk_layernorm": d.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "tensor_model_parallel_size": spec.tp,
+        "pipeline_model_parallel_size": spec.pp,
+        "virtual_pipeline_model_parallel_size": spec.vpp if spec.vpp > 1 else None,
+        "expert_model_parallel_size": spec.ep,
+        "expert_tensor_parallel_size": spec.etp,
+        "init_method_std": init_std,
+        "params_dtype": dtype,
+        "bf16": dtype == torch.bfloat16,
+        "pipeline_dtype": dtype,
+        "attention_softmax_in_fp32": True,
+    }
+    if d.moe_layers:
+        kw.update(_moe(d, config))
+    if not d.mla:
+        return TransformerConfig(**kw)
+    kw.update(
+        multi_latent_attention=True,
+        q_lora_rank=d.q_lora_rank,
+        kv_lora_rank=d.kv_lora_rank,
+        qk_head_dim=d.qk_nope_head_dim,
+        qk_pos_emb_head_dim=d.qk_rope_head_dim,
+        v_head_dim=d.v_head_dim,
+        kv_channels=d.v_head_dim,  # DotProductAttention reshapes its output with kv_channels*nh
+        rope_type="rope",  # as HF without rope scaling (Megatron's default is yarn)
+        qk_layernorm=True,  # the local spec builds q/kv_layernorm only with qk_layernorm
+    )
+    return MLATransformerConfig(**kw)
+
+
+def padded_vocab(config: Mapping[str, Any], tp: int) -> int:
+    """The caller pads the vocabulary (GPTModel takes the size it is given): Megatron's rule."""
+    return round_up(model_dims(dict(config)).vocab, VOCAB_MULTIPLE_PER_TP * tp)
+
+
+def _layer_spec(d: ModelDims, tconfig: Any, vp_stage: int | None) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if not (d.moe_layers or d.mla):
+        return get_gpt_layer_local_spec(qk_layernorm=d.qk_norm, normalization="RMSNorm")
+    spec = get_gpt_decoder_block_spec(
+        tconfig, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    if d.mla:
+        attention = megatron_cpu.mla_core_attention()
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = attention
+    return spec
+
+
+def build_chunks(
+    config: Mapping[str, Any], tconfig: Any, *, vocab_size: int | None = None
+) -> list[torch.nn.Module]:
+    """One GPTModel per VPP chunk of this rank (Megatron's model list), seeded random init."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    d = model_dims(dict(config))
+    vpp = tconfig.virtual_pipeline_model_parallel_size
+    pp_rank, pp = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    vocab = vocab_size or padded_vocab(config, tconfig.tensor_model_parallel_size)
+    chunks = []
+    for c in range(vpp or 1):
+        vp_stage = c if vpp else None
+        with megatron_cpu.tensor_cuda_noop(d.tie_embeddings and pp > 1):
+            chunks.append(
+                GPTModel(
+                    config=tconfig,
+                    transformer_layer_spec=_layer_spec(d, tconfig, vp_stage),
+                    vocab_size=vocab,
+                    max_sequence_length=64,
+                    pre_process=pp_rank == 0 and c == 0,
+                    post_process=pp_rank == pp - 1 and c == (vpp or 1) - 1,
+                    share_embeddings_and_output_weights=d.tie_embeddings,
+                    position_embedding_type="rope",
+                    rotary_base=int(config.get("rope_theta") or 10000),
+                    vp_stage=vp_stage,
+                )
+            )
+    return chunks
