@@ -8,7 +8,7 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test test-engines lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-k8s chart-crds k8s-bins
+.PHONY: demo test test-engines lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-k8s bench-source chart-crds k8s-bins
 
 demo:
 	@V=$$(bash tools/venv.sh); $$V/bin/weightsync demo $(ARGS)
@@ -58,6 +58,10 @@ bench-transfer:
 # The trainer's push through Kubernetes: patch -> Synced minus the runtime's sync (e2e setup).
 bench-k8s: k8s-bins
 	@V=$$(bash tools/venv.sh); $$V/bin/python bench/k8s_push_bench.py $(ARGS)
+
+# Source-side CPU cost of a sync on a real Megatron-Core rank vs one forward+backward.
+bench-source:
+	@V=$$(bash tools/venv.sh); $$V/bin/python bench/megatron_source_bench.py $(ARGS)
 
 # The chart ships the CRD in its crds/ folder; the top-level crds/ is the source of truth.
 chart-crds:
