@@ -17,8 +17,17 @@ import torch
 import torch.distributed as dist
 
 from sync_runtime.core.topology import Role
-from sync_runtime.errors import SourceChanged, StagingError
-from sync_runtime.transfer import CommitRecord, DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
+from sync_runtime.errors import ChecksumMismatch, CommitFailed, SourceChanged, StagingError, SyncStep
+from sync_runtime.runtime import participant_txn
+from sync_runtime.transfer import (
+    CommitRecord,
+    DestinationWeights,
+    LocalTxn,
+    Staging,
+    SyncGroup,
+    TransferConfig,
+    run_rank_plan,
+)
 from sync_runtime.transfer.fence import check_fence, fingerprint, snapshot
 from sync_runtime.transfer.txn import commit_decision, parse_decision
 from tests.support.local_ranks import LocalWorld, RankContext
@@ -206,3 +215,44 @@ def test_commit_record_decides_once() -> None:
         rec.decide("maybe")
     with pytest.raises(ValueError):
         CommitRecord(store, "a/b")
+
+
+def test_destination_weights_is_a_staging() -> None:
+    assert isinstance(DestinationWeights(_weights()), Staging)
+
+
+def test_rank_commit_checks_version_decision_and_bytes() -> None:
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+
+    def prepared(txn: str) -> tuple[DestinationWeights, CommitRecord, LocalTxn]:
+        dw, rec, local = (
+            DestinationWeights(_weights(), version="v0"),
+            CommitRecord(store, txn),
+            LocalTxn(txn, "v1"),
+        )
+        dw.begin("v1")
+        for name in dw.tensors:
+            dw.staged(name, fully_written=True).fill_(4.0)
+        participant_txn.prepare(dw, rec, local, rank=2)
+        return dw, rec, local
+
+    dw, rec, local = prepared("t1")
+    assert rec.prepared([2])[2].version == "v1" and local.phase == "prepared"
+    with pytest.raises(CommitFailed, match="holds prepared 'v1'"):
+        participant_txn.commit(dw, rec, local, 2, "v9")  # ws_commit honours its version
+    with pytest.raises(CommitFailed, match="the record decided"):
+        rec.decide("abort")
+        participant_txn.commit(dw, rec, local, 2, "v1")
+    assert dw.version == "v0"
+    dw, rec, local = prepared("t2")
+    rec.decide(commit_decision("v1"))
+    dw.staged("a").view(-1)[0] = -1.0  # corrupted after the decision
+    with pytest.raises(ChecksumMismatch) as e:
+        participant_txn.commit(dw, rec, local, 2, "v1")
+    assert e.value.step is SyncStep.COMMIT and dw.version == "v0" and not dw.staging_active
+    dw, rec, local = prepared("t3")
+    rec.decide(commit_decision("v1"))
+    assert participant_txn.commit(dw, rec, local, 2, "v1") == "v1"
+    assert rec.committed([2]) == {2: "v1"} and local.phase == "committed"

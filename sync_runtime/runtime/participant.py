@@ -305,8 +305,7 @@ class WeightSyncParticipant(ServingControl):
     def _ws_begin(self, version: str, config: TransferConfig, txn: str | None) -> None:
         st = self._ws_state()
         assert st.destination is not None
-        if isinstance(st.destination, DestinationWeights):
-            st.destination.set_policy(config.staging)  # type: ignore[arg-type]
+        st.destination.set_policy(config.staging)  # type: ignore[arg-type]
         if config.staging == "inplace":
             st.serving = False  # live memory is about to be overwritten: the engine must not serve
         st.destination.begin(version)
@@ -357,7 +356,7 @@ class WeightSyncParticipant(ServingControl):
             raise CommitFailed(f"commit {version!r} while this rank serves: pause its replica first")
         rank = st.group_key[1] if st.group_key else None
         if st.txn is None:  # a sync without a commit record (tests, tools): the staged version only
-            if st.destination.pending_version != version:  # type: ignore[attr-defined]
+            if st.destination.pending_version != version:
                 raise CommitFailed(
                     f"rank {rank}: commit {version!r}, staged is a different version", rank=rank
                 )
