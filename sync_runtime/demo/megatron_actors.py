@@ -123,10 +123,18 @@ class MegatronTrainer(MegatronSourceParticipant):
 class BlankDestination(VllmDestinationActor):
     """A vLLM-layout destination rank holding zeros (in the manifest's dtypes) until a sync."""
 
-    def __init__(self, model_config: Mapping[str, Any], spec: ParallelSpec, coord: RankCoord) -> None:
+    def __init__(
+        self,
+        model_config: Mapping[str, Any],
+        spec: ParallelSpec,
+        coord: RankCoord,
+        dtypes: Mapping[str, str] | None = None,
+    ) -> None:
+        """`dtypes`: local tensors held in another dtype than the manifest's (tests)."""
         torch.set_num_threads(1)
         shard = get_layout("vllm").shard(build_manifest(dict(model_config)), spec, coord)
-        tensors = {t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype)) for t in shard.tensors}
+        dtype = {t.name: (dtypes or {}).get(t.name, t.dtype) for t in shard.tensors}
+        tensors = {t.name: torch.zeros(t.shape, dtype=getattr(torch, dtype[t.name])) for t in shard.tensors}
         super().__init__(coord, tensors, version="v0")
 
 

@@ -60,8 +60,16 @@ class MegatronDeployment:
     def start(cls, world_size: int, namespace: str, src_prefix: str = "mtrainer-") -> MegatronDeployment:
         return cls(namespace, start_trainers(world_size, namespace, src_prefix), src_prefix)
 
-    def build(self, hf_config: Mapping[str, Any], src: str, dst: str, **kw: Any) -> list[dict[str, Any]]:
-        """(Re)build every trainer on `hf_config` at `src`, and fresh blank destinations at `dst`."""
+    def build(
+        self,
+        hf_config: Mapping[str, Any],
+        src: str,
+        dst: str,
+        dst_dtypes: Mapping[str, str] | None = None,
+        **kw: Any,
+    ) -> list[dict[str, Any]]:
+        """(Re)build every trainer on `hf_config` at `src`, and fresh blank destinations at `dst`
+        (`dst_dtypes`: destination tensors held in another dtype than the source's, tests)."""
         self.kill_destinations()
         built = build_all(self.trainers, hf_config, src, **kw)
         config = built[0]["model_config"]  # every rank reports the same (dtypes gathered)
@@ -80,7 +88,7 @@ class MegatronDeployment:
             c = dataclasses.replace(c, node=_UNPLACED.node, device=_UNPLACED.device)  # actors report theirs
             name = destination_name(self.dst_prefix, c)
             opts = {"name": name, "namespace": self.namespace, "num_cpus": 0}
-            self.destinations.append(cls.options(**opts).remote(config, self.setup.dst, c))
+            self.destinations.append(cls.options(**opts).remote(config, self.setup.dst, c, dst_dtypes))
         ray.get([h.ws_version.remote() for h in self.destinations])
         return built
 

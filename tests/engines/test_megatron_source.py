@@ -77,6 +77,20 @@ def test_mla_bf16_keeps_per_tensor_dtypes(dep: MegatronDeployment, ray_address: 
     assert reference["model.norm.weight"].dtype == torch.float32
 
 
+def test_source_dtype_differing_from_destination_is_refused_before_any_byte(
+    dep: MegatronDeployment, ray_address: str
+) -> None:
+    # An fp32 source norm into a bf16 destination tensor: the plan moves one dtype per canonical
+    # tensor and the receiving rank does not cast (yet), so discovery refuses, naming the tensor.
+    dep.build(
+        load_model_config("tiny-llama"), "tp=2", dst="tp=2", dst_dtypes={"model.norm.weight": "bfloat16"}
+    )
+    report = dep.sync("v1", ray_address)
+    assert report.result is SyncResult.FAILED and report.moved_bytes == 0
+    assert report.failure is not None and report.failure.step == "discover"
+    assert "model.norm.weight has dtype bfloat16, manifest says float32" in report.failure.message
+
+
 def test_forward_equivalence_with_transformers(dep: MegatronDeployment) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
