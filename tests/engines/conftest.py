@@ -12,5 +12,5 @@ from sync_runtime.demo.cluster import start_local_ray
 
 @pytest.fixture(scope="session")
 def ray_address() -> Iterator[str]:
-    yield start_local_ray(num_cpus=2)
+    yield start_local_ray(num_cpus=8)  # actors claim none; more CPUs = more concurrent worker starts
     ray.shutdown()
