@@ -76,6 +76,7 @@ def forward_backward(chunks: Sequence[torch.nn.Module], data: dict[str, torch.Te
 
 def reduce_grads(chunks: Sequence[torch.nn.Module], tied: bool) -> None:
     """What Megatron's DDP + finalize_model_grads do for plain modules (no router bias update)."""
+    # (reduce over DP first, then over TP: the same order as finalize_model_grads)
     from megatron.core import parallel_state as ps
 
     for chunk in chunks:
@@ -87,12 +88,33 @@ def reduce_grads(chunks: Sequence[torch.nn.Module], tied: bool) -> None:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(p.grad, group=group)
                 p.grad /= dist.get_world_size(group)
+    _reduce_over_tp(chunks)
     if tied and ps.get_pipeline_model_parallel_world_size() > 1:
         group = ps.get_embedding_group()
         if dist.get_rank() in dist.get_process_group_ranks(group):
             first = ps.is_pipeline_first_stage(ignore_virtual=True)
             weight = (chunks[0] if first else chunks[-1]).shared_embedding_or_output_weight()
             dist.all_reduce(weight.grad, group=group)
+
+
+def _reduce_over_tp(chunks: Sequence[torch.nn.Module]) -> None:
+    """Megatron's `_allreduce_non_tensor_model_parallel_grads`: TP-replicated params whose grads
+    are partial per TP rank (q/k_layernorm see only the rank's heads) are summed over TP, those
+    marked `average_gradients_across_tp_domain` averaged; otherwise the TP copies drift apart."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) <= 1:
+        return
+    for chunk in chunks:
+        qk_norm = bool(getattr(chunk.config, "qk_layernorm", False))
+        for name, p in chunk.named_parameters():
+            if p.grad is None:
+                continue
+            if getattr(p, "average_gradients_across_tp_domain", False):
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, group=group)
+            elif qk_norm and ("q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(p.grad, group=group)
 
 
 def train_step(
