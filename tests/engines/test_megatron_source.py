@@ -62,7 +62,14 @@ def test_dense_tp2_pp2_sync_step_and_scrambled_control(dep: MegatronDeployment, 
 def test_moe_ep2_with_tp2(dep: MegatronDeployment, ray_address: str) -> None:
     built = dep.build(load_model_config("tiny-qwen3-moe"), "tp=2,ep=2", dst="tp=2,ep=2")
     assert {b["coord"].ep_rank for b in built} == {0, 1} and built[0]["spec"].dp == 2
-    _sync_and_verify(dep, ray_address, "v1")
+    before = _sync_and_verify(dep, ray_address, "v1")
+    # After a step the TP copies of q/k_layernorm must still agree (Megatron sums their grads
+    # over TP); a source whose replicas drift would give destinations mixed weights.
+    ray.get([h.step.remote("v2") for h in dep.trainers])
+    after = _sync_and_verify(dep, ray_address, "v2")
+    assert not torch.equal(
+        after["model.layers.0.self_attn.q_norm.weight"], before["model.layers.0.self_attn.q_norm.weight"]
+    )
 
 
 def test_mla_bf16_keeps_per_tensor_dtypes(dep: MegatronDeployment, ray_address: str) -> None:
