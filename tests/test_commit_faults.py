@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -44,6 +45,7 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
 from sync_runtime.schema.crd import Transport
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.transfer import EngineHooks
 from tests.support import commit_coordinator, faults, serving_checker
 from tests.support.faults import FaultArming
 from tests.support.serving_checker import ServingChecker
@@ -57,7 +59,21 @@ ray.cloudpickle.register_pickle_by_value(serving_checker)
 
 
 class CommitSource(FaultArming, DemoSource):
-    pass
+    _parked = False
+
+    def ws_park(self, seconds: float | None) -> None:
+        """Arm a stall before round 0 of the next ws_run that says when it has started (the
+        fence was taken, and with snapshot=true the copy was made, before it)."""
+
+        def park(_round: int) -> None:
+            self._parked = True
+            time.sleep(seconds or 0.0)
+
+        self._parked = False
+        self._ws_hooks = EngineHooks(before_round=park) if seconds else None
+
+    def ws_parked(self) -> bool:
+        return self._parked
 
 
 class CommitDestination(FaultArming, DemoDestination):
@@ -197,13 +213,20 @@ def test_training_step_during_transfer(env, rep: int, snapshot: bool) -> None:
     _repair(env, old)
     train_step(setup, new)
     sources = [h for _, h in find_actors(NS, setup.src_prefix)]
-    ray.get([h.ws_arm.remote("sleep", 1.5) for h in sources])  # parks each source before round 0
-    stepper = threading.Timer(0.8, train_step, args=(setup, stepped))  # the trainer steps meanwhile
+    ray.get([h.ws_park.remote(3.0) for h in sources])  # parks each source before round 0
+
+    def step_when_parked() -> None:  # the trainer steps while the sources are inside the sync
+        deadline = time.monotonic() + 60
+        while not all(ray.get([h.ws_parked.remote() for h in sources])) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        train_step(setup, stepped)
+
+    stepper = threading.Thread(target=step_when_parked)
     with _checker(setup, old, new, stepped) as checker:
         stepper.start()
         report = _coordinator(env, snapshot=snapshot).sync(new)
         stepper.join()
-        ray.get([h.ws_arm.remote(None) for h in sources])
+        ray.get([h.ws_park.remote(None) for h in sources])
         if snapshot:  # the snapshot was taken before the step: the sync delivers `new` exactly
             _end(checker, setup, new, report)
         else:

@@ -60,7 +60,11 @@ def destinations(sides: Sequence[DiscoveredSide]) -> list[Dest]:
     return out
 
 
-def new_txn() -> str:
+def begin_txn(dests: Sequence[Dest], staging: str, timeout_s: float) -> str:
+    """A new transaction's name. With `inplace` staging every destination replica is paused
+    first, all its ranks together: live memory is overwritten from the first byte on."""
+    if staging == "inplace":
+        call_each([(d.p, "ws_pause", ()) for d in dests], timeout_s)
     return f"txn-{secrets.token_hex(12)}"
 
 

@@ -41,8 +41,8 @@ from sync_runtime.runtime.calls import call_all
 from sync_runtime.runtime.commit import (
     CommitHooks,
     Dest,
+    begin_txn,
     destinations,
-    new_txn,
     open_store,
     recover,
     settle,
@@ -260,7 +260,7 @@ class Coordinator:
     def _transfer(self, session: Session, att: _Attempt) -> list:
         self._emit(att, SyncStep.TRANSFER)
         t = time.monotonic()
-        session.txn = new_txn()
+        session.txn = begin_txn(att.dests, self.spec.transport.staging, self._rpc_timeout())
         out = drive_transfer(
             session, self.spec.transport, att.version, self._store, self._progress_sink(att), session.txn
         )

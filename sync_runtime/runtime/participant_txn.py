@@ -140,12 +140,14 @@ class ServingControl:
             checksum=txn.checksum if txn else "",
         )
 
-    def ws_observe(self) -> tuple[str | None, bool, bool, dict[str, str]]:
-        """(version, serving, poisoned, checksums): what a serving-consistency checker reads."""
+    def ws_observe(self) -> tuple[str | None, bool, bool, dict[str, str], float]:
+        """(version, serving, poisoned, checksums, when): what a serving-consistency checker
+        reads, atomically; `when` is time.monotonic() at the read (one clock per host), so
+        readings of several ranks can be put in order."""
         st = self._ws_state()
         with st.lock:  # never between a pause, the commit's copies and the resume
             poisoned = bool(st.destination.poisoned) if st.destination is not None else False
-            return self.ws_version(), st.serving, poisoned, self.ws_checksums()
+            return self.ws_version(), st.serving, poisoned, self.ws_checksums(), time.monotonic()
 
 
 class ProgressWriter:

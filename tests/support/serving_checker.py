@@ -1,17 +1,23 @@
-"""A continuous checker of serving replicas: reads every destination rank's (version, serving,
-poisoned, checksums) at >= 20 Hz while a trial runs, and records every violation:
+"""A continuous checker of serving replicas. Every destination rank is read back to back (>= 20
+Hz per rank) while a trial runs: (version, serving, poisoned, checksums, when), taken atomically
+by `ws_observe` under the participant's lock, `when` on the host's monotonic clock (all ranks of
+these tests share one host). Violations:
 
-- a *mix*: ranks of one replica report different committed versions while any of them serves
-  (ranks that do not answer report nothing);
-- a *misnamed* replica: a serving rank whose checksums are not those of the version it names;
+- a *mix*: at some instant, ranks of one replica hold different committed versions while one
+  of them serves. A rank's state at the instant of another rank's reading is known when its
+  readings just before and just after that instant agree (versions only move forward inside a
+  trial, so the state did not change in between); a rank that does not answer (killed)
+  reports no version;
+- a *misnamed* reading: a serving rank whose checksums are not those of the version it names,
+  or a version the trial never made;
 - a serving rank that is poisoned.
 
-Expected checksums come from the seeded weights (`demo.weights`), so a check never trusts what
-a participant says about itself. Ranks that do not answer (killed) count as not serving.
+Expected checksums come from the seeded weights (`demo.weights`), never from the participants.
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,8 +29,7 @@ from sync_runtime.demo.cluster import DemoSetup, destination_name
 from sync_runtime.demo.weights import bits_to_torch, shard_arrays
 from sync_runtime.transfer import checksum_tensor, hex_digest
 
-HZ = 50.0
-"""Target rate; a reading costs a few ms per rank, so the loop mostly runs back to back."""
+Reading = tuple  # (version, serving, poisoned, checksums, when)
 
 
 @dataclass
@@ -34,15 +39,15 @@ class ServingChecker:
     versions: set[str]
     """Every version a trial may show (their checksums are precomputed)."""
     violations: list[str] = field(default_factory=list)
-    samples: int = 0
+    answers: dict[str, int] = field(default_factory=dict)
+    """Readings per rank (a rank that was dead or starting for a while has fewer)."""
+    elapsed: float = 0.0
+    _readings: dict[str, list[Reading]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
     _expected: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
     _handles: dict[str, object] = field(default_factory=dict)
     _looked: dict[str, float] = field(default_factory=dict)
-    _pending: dict[str, object] = field(default_factory=dict)
-    answers: dict[str, int] = field(default_factory=dict)
-    """Readings per rank (a rank that was dead or starting for a while has fewer)."""
 
     def __post_init__(self) -> None:
         for c in self.coords:
@@ -53,35 +58,6 @@ class ServingChecker:
 
     def _name(self, c: RankCoord) -> str:
         return destination_name(self.setup.dst_prefix, c)
-
-    def observe(self, wait_s: float = 2.0) -> dict[str, tuple | None]:
-        """One reading of every rank: name -> (version, serving, poisoned, checksums), or None
-        for a rank that did not answer within `wait_s` (dead, or still being constructed).
-
-        A call still pending from an earlier tick is waited for instead of stacking another: a
-        reading is never older than the tick it is used in, so stale readings of two ranks
-        are never compared (that could only invent mixes, never hide one).
-        """
-        for c in self.coords:
-            name = self._name(c)
-            if name not in self._pending:
-                handle = self._handles.get(name) or self._lookup(name)
-                if handle is not None:
-                    self._pending[name] = handle.ws_observe.remote()
-        refs = list(self._pending.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s) if refs else ([], [])
-        done = set(ready)
-        out: dict[str, tuple | None] = {self._name(c): None for c in self.coords}
-        for name, ref in list(self._pending.items()):
-            if ref not in done:
-                continue
-            del self._pending[name]
-            try:
-                out[name] = ray.get(ref)
-                self.answers[name] = self.answers.get(name, 0) + 1
-            except ray.exceptions.RayError:
-                self._handles.pop(name, None)  # killed: look the name up again (it may come back)
-        return out
 
     def _lookup(self, name: str):
         """Name lookups go to Ray's GCS (tens of ms on a loaded machine): cached, and a missing
@@ -96,39 +72,69 @@ class ServingChecker:
             return None
         return self._handles[name]
 
-    def check(self, reading: dict[str, tuple | None]) -> list[str]:
-        problems = []
-        replicas: dict[int, list[RankCoord]] = {}
-        for c in self.coords:
-            replicas.setdefault(c.replica, []).append(c)
-        for replica, members in replicas.items():
-            got = [reading.get(self._name(c)) for c in members]
-            if not any(g is not None and g[1] for g in got):
-                continue  # not serving: anything goes while it is paused
-            # A rank that does not answer reports no committed version (it died: its replica
-            # cannot serve anyway, and the coordinator pauses the survivors before any commit).
-            versions = {g[0] for g in got if g is not None}
-            if len(versions) != 1:
-                problems.append(f"replica {replica} serves with ranks on {sorted(map(str, versions))}")
-            for c, g in zip(members, got, strict=True):
-                if g is None or not g[1]:
-                    continue
-                if g[2]:
-                    problems.append(f"{self._name(c)} serves while poisoned")
-                want = self._expected.get((self._name(c), g[0]))
-                if want is None:
-                    problems.append(f"{self._name(c)} serves {g[0]!r}, a version this trial never made")
-                elif g[3] != want:
-                    problems.append(f"{self._name(c)} serves as {g[0]!r} with other bytes")
-        return problems
+    def _misnamed(self, name: str, r: Reading) -> list[str]:
+        version, serving, poisoned, sums, _ = r
+        if not serving:
+            return []
+        if poisoned:
+            return [f"{name} serves while poisoned"]
+        want = self._expected.get((name, version))
+        if want is None:
+            return [f"{name} serves {version!r}, a version this trial never made"]
+        return [f"{name} serves as {version!r} with other bytes"] if sums != want else []
 
     def _run(self) -> None:
-        period = 1.0 / HZ
+        """Each rank's next call goes out as soon as its previous one answered."""
+        pending: dict[object, str] = {}
         while not self._stop.is_set():
-            started = time.monotonic()
-            self.violations += self.check(self.observe(wait_s=period))
-            self.samples += 1
-            self._stop.wait(max(0.0, period - (time.monotonic() - started)))
+            busy = set(pending.values())
+            for c in self.coords:
+                name = self._name(c)
+                handle = None if name in busy else self._handles.get(name) or self._lookup(name)
+                if handle is not None:
+                    pending[handle.ws_observe.remote()] = name
+            if not pending:
+                self._stop.wait(0.05)
+                continue
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.1)
+            for ref in ready:
+                name = pending.pop(ref)
+                try:
+                    reading = ray.get(ref)
+                except ray.exceptions.RayError:
+                    self._handles.pop(name, None)  # killed: look the name up again (it may come back)
+                    self._readings.setdefault(name, []).append((None, False, False, {}, time.monotonic()))
+                    continue
+                self._readings.setdefault(name, []).append(reading)
+                self.answers[name] = self.answers.get(name, 0) + 1
+                self.violations += self._misnamed(name, reading)
+
+    def _state_at(self, name: str, when: float, times: dict[str, list[float]]) -> Reading | None:
+        """The rank's reading at `when` if its readings around `when` agree, else None."""
+        rs = self._readings.get(name, [])
+        i = bisect.bisect_right(times[name], when)
+        if i == 0 or i == len(rs):
+            return None
+        before, after = rs[i - 1], rs[i]
+        return before if before[:2] == after[:2] else None
+
+    def mixes(self) -> list[str]:
+        out = []
+        replicas: dict[int, list[str]] = {}
+        for c in self.coords:
+            replicas.setdefault(c.replica, []).append(self._name(c))
+        times = {n: [r[4] for r in self._readings.get(n, [])] for ns in replicas.values() for n in ns}
+        for replica, names in replicas.items():
+            for x in names:
+                for r in self._readings.get(x, []):
+                    for y in names:
+                        s = self._state_at(y, r[4], times) if y != x else None
+                        if s is None or r[0] is None or s[0] is None or r[0] == s[0]:
+                            continue
+                        if r[1] or s[1]:
+                            out.append(f"replica {replica}: {x} {r[0]!r} (serving={r[1]}) while {y} "
+                                       f"{s[0]!r} (serving={s[1]}) at t={r[4]:.3f}")  # fmt: skip
+        return out
 
     def __enter__(self) -> ServingChecker:
         self._started = time.monotonic()
@@ -141,26 +147,17 @@ class ServingChecker:
         assert self._thread is not None
         self._thread.join(10)
         self.elapsed = time.monotonic() - self._started
-
-    @property
-    def rate_hz(self) -> float:
-        """Readings per second of the rank read least often (alive the whole trial)."""
-        return min(self.answers.values(), default=0) / self.elapsed if self.elapsed else 0.0
+        self.violations += self.mixes()
 
     def final(self) -> dict[int, str | None]:
         """Per replica, the one version all its ranks hold and serve (None: not so)."""
-        reading = {}  # its own calls: the checker thread may still be running its ticks
+        out: dict[int, str | None] = {}
         for c in self.coords:
             try:
                 handle = ray.get_actor(self._name(c), namespace=self.setup.namespace)
-                reading[self._name(c)] = ray.get(handle.ws_observe.remote(), timeout=30)
+                g = ray.get(handle.ws_observe.remote(), timeout=30)
             except (ValueError, ray.exceptions.RayError):
-                reading[self._name(c)] = None
-        out: dict[int, str | None] = {}
-        for c in self.coords:
-            g = reading.get(self._name(c))
-            key = g[0] if g is not None and g[1] and not g[2] else None
-            if key is not None and g[3] != self._expected.get((self._name(c), key)):
-                key = None
+                g = None
+            key = g[0] if g is not None and g[1] and not self._misnamed(self._name(c), g) else None
             out[c.replica] = key if out.get(c.replica, key) == key else None
         return out
