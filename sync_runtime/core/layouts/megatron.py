@@ -134,7 +134,8 @@ def chunk_ranges(num_layers: int, spec: ParallelSpec) -> list[list[range]]:
         what = "pp" if v == 1 else "pp*vpp"
         raise LayoutError(
             f"{NAME}: {'pp' if v == 1 else 'vpp'}: L={num_layers} layers not divisible by "
-            f"{what}={p * v} (Megatron splits evenly; give per-stage layer_counts for an uneven split)"
+            f"{what}={p * v} (Megatron splits evenly; for an uneven split give per-stage "
+            "layer_counts, e.g. layers=8+7)"
         )
     if v == 1:
         return [[r] for r in stage_layer_ranges(num_layers, p, spec.layer_counts)]
