@@ -59,6 +59,14 @@ def test_dense_tp2_pp2_sync_step_and_scrambled_control(dep: MegatronDeployment, 
     assert problems and all("differ from the reference" in p for p in problems), problems
 
 
+def test_vpp_chunks_carry_our_chunk_prefix(dep: MegatronDeployment, ray_address: str) -> None:
+    # PP2 x VPP2 (DP2): stage 0 holds blocks 0 and 2 (global layers 0 and 2), checked against
+    # Megatron's layer_number by the engine; names get our chunk{c}. prefix.
+    built = dep.build(load_model_config("tiny-llama"), "pp=2,vpp=2", dst="tp=2")
+    assert built[0]["spec"].vpp == 2
+    _sync_and_verify(dep, ray_address, "v1")
+
+
 def test_moe_ep2_with_tp2(dep: MegatronDeployment, ray_address: str) -> None:
     built = dep.build(load_model_config("tiny-qwen3-moe"), "tp=2,ep=2", dst="tp=2,ep=2")
     assert {b["coord"].ep_rank for b in built} == {0, 1} and built[0]["spec"].dp == 2
