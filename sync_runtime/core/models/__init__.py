@@ -16,9 +16,9 @@ from sync_runtime.errors import ModelConfigError
 
 __all__ = [
     "FAMILIES",
+    "TENSOR_DTYPES_KEY",
     "ModelConfigError",
     "ModelDims",
-    "TENSOR_DTYPES_KEY",
     "available_presets",
     "build_manifest",
     "load_model_config",
