@@ -47,7 +47,13 @@ class Case:
 
 
 CASES = [
-    Case("kimi-k2", "kimi-k2", "tp=8,pp=8,dp=4,ep=32", "tp=16,ep=16,replicas=8", targets=True),
+    Case(
+        "kimi-k2",
+        "kimi-k2",
+        "tp=8,pp=8,dp=4,ep=32,layers=8+8+8+8+8+7+7+7",
+        "tp=16,ep=16,replicas=8",
+        targets=True,
+    ),
     Case("qwen3-235b", "qwen3-235b-a22b", "tp=4,pp=4,dp=4,ep=16", "tp=8,ep=8,replicas=4"),
     Case("llama-3-70b", "llama-3-70b", "tp=8,pp=4,dp=2", "tp=8,replicas=4"),
     Case("llama-24h tp6->4", "LLAMA_24_HEADS", "tp=6,pp=2,dp=2", "tp=4,replicas=4"),

@@ -20,8 +20,20 @@ import time
 import tracemalloc
 
 CASES = {
-    "kimi-k2-384": ("kimi-k2", "tp=8,pp=8,dp=4,ep=32", "tp=16,ep=16,replicas=8", 5.0, None),
-    "kimi-k2-8192-4096": ("kimi-k2", "tp=8,pp=16,dp=64,ep=64", "tp=16,ep=16,replicas=256", 10.0, 2.0),
+    "kimi-k2-384": (
+        "kimi-k2",
+        "tp=8,pp=8,dp=4,ep=32,layers=8+8+8+8+8+7+7+7",
+        "tp=16,ep=16,replicas=8",
+        5.0,
+        None,
+    ),
+    "kimi-k2-8192-4096": (
+        "kimi-k2",
+        "tp=8,pp=16,dp=64,ep=64,layers=" + "+".join(["4"] * 13 + ["3"] * 3),
+        "tp=16,ep=16,replicas=256",
+        10.0,
+        2.0,
+    ),
 }
 """name: (model, source, destination, target CPU seconds, target peak GiB or None)."""
 
