@@ -277,7 +277,7 @@ def test_digest_is_deterministic_and_sensitive(case: Case) -> None:
 FIXED = [
     ("tiny-llama", "megatron", "tp=2,pp=2,dp=2", "vllm", "tp=4,replicas=2"),
     ("tiny-llama", "megatron", "tp=2,pp=2", "vllm", "tp=8,pp=2"),  # KV heads replicated on the dst
-    ("tiny-llama-tied", "megatron", "tp=2,pp=2,dp=2", "vllm", "tp=2,pp=2,replicas=3"),
+    ("tiny-llama-tied", "megatron", "tp=2,pp=2,dp=2,layers=2+1", "vllm", "tp=2,pp=2,replicas=3"),
     ("tiny-qwen3-moe", "megatron", "tp=2,pp=2,dp=2,ep=4", "vllm", "tp=2,ep=2,replicas=2"),
     ("tiny-qwen3-moe", "megatron", "tp=2,pp=2,ep=2,etp=2,dp=2", "vllm", "tp=4"),
     ("tiny-deepseek-v3", "megatron", "tp=2,pp=3,ep=2", "vllm", "tp=4,ep=4"),

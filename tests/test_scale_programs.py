@@ -20,7 +20,7 @@ from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 
 CASES = [
     ("tiny-llama", "tp=2,pp=2,dp=2", "tp=4,replicas=2"),
-    ("tiny-llama-tied", "tp=2,pp=2,dp=2", "tp=2,pp=2,replicas=3"),
+    ("tiny-llama-tied", "tp=2,pp=2,dp=2,layers=2+1", "tp=2,pp=2,replicas=3"),
     ("tiny-qwen3-moe", "tp=2,pp=2,dp=2,ep=4", "tp=2,ep=2,replicas=2"),
     ("tiny-deepseek-v3", "tp=2,pp=3,ep=2", "tp=4,ep=4"),
     ("tiny-qwen3-moe", "tp=2,pp=2,ep=2,etp=2,dp=2", "tp=4,replicas=3"),

@@ -56,8 +56,9 @@ def applies(ranks: Sequence[RankCoord], instances: Sequence[Instance], config: P
     return not any(ranks[dst].node in source_nodes for dst, _ in instances)
 
 
-def _template(book: PairBook, needs: list[Need], lanes: int) -> tuple[list[int], list[int], list[int]]:
-    """Per segment: its pattern, bucket count and template start (largest first into the shortest lane)."""
+def _template(book: PairBook, needs: list[Need], lanes: int) -> tuple[list[int], list[int], list[int], int]:
+    """Per segment: its pattern, bucket count and template start (largest first into the shortest
+    lane); and the longest lane, which the cycle must cover (packing is not perfectly even)."""
     segs = book.segments(needs)
     patterns = [book.pattern(needs, (s,)) for s in range(len(segs))]
     counts = [len(book.patterns[p].sizes) for p in patterns]
@@ -67,7 +68,7 @@ def _template(book: PairBook, needs: list[Need], lanes: int) -> tuple[list[int],
         lane = min(range(lanes), key=lambda q: (length[q], q))
         starts[s] = length[lane]
         length[lane] += counts[s]
-    return patterns, counts, starts
+    return patterns, counts, starts, max(length)
 
 
 def _stride(starts: np.ndarray, lengths: np.ndarray, cycle: int, h: int, lanes: int) -> int | None:
@@ -97,11 +98,13 @@ def lane_schedule(
     for dst, needs in instances:
         positions.setdefault(id(needs), (needs, []))[1].append(dst)
     templates = {key: _template(book, needs, lanes) for key, (needs, _) in positions.items()}
-    cycle = max((-(-sum(c) // lanes) for _, c, _ in templates.values()), default=0)
-    cycle = max(cycle, max((max(c, default=0) for _, c, _ in templates.values()), default=0), 1)
+    # The longest packed lane, not sum/lanes: a lane longer than the cycle would wrap onto its own
+    # start, giving a receiver more than `lanes` buckets (and peers) in one round.
+    cycle = max((longest for *_, longest in templates.values()), default=0)
+    cycle = max(cycle, 1)
     occupations: Occupations = {}
     for key, (needs, dsts) in positions.items():
-        patterns, counts, starts = templates[key]
+        patterns, counts, starts, _ = templates[key]
         phase = (np.arange(len(dsts), dtype=np.int64) * cycle) // len(dsts)
         dst_arr = np.asarray(dsts, dtype=np.int64)
         for (ranks, _), p, n, a in zip(book.segments(needs), patterns, counts, starts, strict=True):

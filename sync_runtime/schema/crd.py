@@ -111,7 +111,7 @@ class DeploymentRef(CrdModel):
     ray_namespace: str = "weightsync"
     actor_prefix: str
     """Participants are the named Ray actors whose names start with this prefix."""
-    layout: Literal["megatron", "vllm", "hf"]
+    layout: Literal["megatron", "megatron-te", "vllm", "hf"]
     parallelism: Parallelism = Parallelism()
     auth_secret_ref: SecretKeyRef | None = None
     """Secret holding the Ray auth token; reaches the runtime only as a secretKeyRef env var."""
@@ -186,6 +186,7 @@ class WeightSyncSpec(CrdModel):
 MSG_ONE_ADDRESS = "exactly one of rayAddress or rayCluster must be set"
 MSG_UNIQUE_DESTINATIONS = "destination names must be unique"
 MSG_SOURCE_NAME_CLASH = "destination names must differ from the source name"
+MEGATRON_LAYOUTS = ("megatron", "megatron-te")
 MSG_SOURCE_LAYOUT = "source layout must be megatron or hf (vllm is destination-only)"
 MSG_DEST_LAYOUT = "destination layout must be vllm or hf (megatron is source-only)"
 MSG_SOURCE_EP = "source: ep must divide tp*dp"
@@ -195,7 +196,7 @@ MSG_DEST_EP = "destination: ep must be 1 or equal to tp (EP inside TP)"
 MSG_DEST_DP = "destination: dp must be 1 (use replicas for data-parallel engines)"
 MSG_DEST_ETP_VPP = "destination: etp and vpp must be 1"
 MSG_HF_SHAPE = "hf layout: pp, ep and vpp must be 1"
-MSG_VPP_MEGATRON = "vpp > 1 needs the megatron layout"
+MSG_VPP_MEGATRON = "vpp > 1 needs a megatron layout"
 MSG_LAYER_COUNTS = "layerCounts must have one entry per pipeline stage (pp)"
 MSG_BUCKET = "bucketMb must be at most stagingBudgetMb/2 (double buffering)"
 MSG_BACKOFF = "maxBackoffSeconds must be >= backoffSeconds"
@@ -214,7 +215,7 @@ def _deployment_problems(ref: DeploymentRef, where: str) -> list[str]:
         out.append(f"{where}.parallelism: {MSG_LAYER_COUNTS}")
     if ref.layout == "hf" and (p.pp, p.ep, p.vpp) != (1, 1, 1):
         out.append(f"{where}: {MSG_HF_SHAPE}")
-    if p.vpp > 1 and ref.layout != "megatron":
+    if p.vpp > 1 and ref.layout not in MEGATRON_LAYOUTS:
         out.append(f"{where}: {MSG_VPP_MEGATRON}")
     return out
 
@@ -243,7 +244,7 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
     for i, dest in enumerate(spec.destinations):
         where, p = f"spec.destinations[{i}]", dest.parallelism
         out += _deployment_problems(dest, where)
-        if dest.layout == "megatron":
+        if dest.layout in MEGATRON_LAYOUTS:
             out.append(f"{where}: {MSG_DEST_LAYOUT}")
         if p.ep not in (1, p.tp):
             out.append(f"{where}: {MSG_DEST_EP}")
