@@ -1,9 +1,10 @@
 """Real vLLM destination, DeepSeek-V3 (MLA, noaux_tc router, shared experts) at TP 2.
 
-vLLM's CPU MLA path was seen to be not repeat-deterministic (the 2nd/3rd generate of one engine
-may differ from the 1st, with the same weights). So the comparison is like with like: the
-destination generates once on dummy weights, then once after the sync; the reference engine
-(loaded normally) also generates twice, and its second generation is the oracle.
+vLLM's CPU MLA path is not repeat-deterministic: measured here (bf16, TP 2), the reference
+engine's 2nd and 3rd generate of the same prompts each agree with its 1st on 0 of 4 rows.
+It is, however, reproducible by call count: the destination (1st call on dummy weights, sync,
+2nd call) is bit-identical to the reference's 2nd call. So the comparison is like with like:
+both engines' second generate. float32 was not tried.
 """
 
 from __future__ import annotations
