@@ -5,7 +5,8 @@ is modelled as bfloat16 unless the config's `weightsync_tensor_dtypes` says othe
 each canonical tensor has on the wire, i.e. as the source holds it (a Megatron source reports
 its live dtypes there, e.g. fp32 norms and router expert_bias in a bf16 model). DeepSeek-V3 and
 Kimi-K2 publish FP8 block-quantised weights with `weight_scale_inv` tensors (and an F32
-`e_score_correction_bias`); we model their bf16 equivalents (the form a trainer and a bf16 vLLM deployment hold), without scale tensors.
+`e_score_correction_bias`); we model their bf16 equivalents (the form a trainer and a bf16
+vLLM deployment hold), without scale tensors.
 MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are not synced.
 """
 
