@@ -78,10 +78,11 @@ def expected_rank(ref: dict[str, np.ndarray], cfg: dict, r: int) -> dict[str, np
         out[p + "mlp.gate.weight"] = ref[p + "mlp.gate.weight"]
         mine = range(r * experts // TP, (r + 1) * experts // TP)  # EP: whole experts, in order
         e = p + "mlp.experts."
-        out[e + "w13_weight"] = np.stack(
+        # vLLM 0.32 names the routed experts' fused weights under `routed_experts.`
+        out[e + "routed_experts.w13_weight"] = np.stack(
             [np.concatenate([ref[f"{e}{x}.gate_proj.weight"], ref[f"{e}{x}.up_proj.weight"]]) for x in mine]
         )
-        out[e + "w2_weight"] = np.stack([ref[f"{e}{x}.down_proj.weight"] for x in mine])
+        out[e + "routed_experts.w2_weight"] = np.stack([ref[f"{e}{x}.down_proj.weight"] for x in mine])
     return out
 
 

@@ -43,7 +43,10 @@ def test_vllm_w13_w2_without_ep() -> None:
     c = canon_of(m)
     for r in range(2):
         got = local("vllm", m, ParallelSpec(tp=2), c, tp_rank=r)
-        w13, w2 = got[L0 + "mlp.experts.w13_weight"], got[L0 + "mlp.experts.w2_weight"]
+        w13, w2 = (
+            got[L0 + "mlp.experts.routed_experts.w13_weight"],
+            got[L0 + "mlp.experts.routed_experts.w2_weight"],
+        )
         assert w13.shape == (E, 32, 64) and w2.shape == (E, 64, 16)
         rows = slice(r * 16, (r + 1) * 16)
         for e in range(E):
@@ -59,7 +62,10 @@ def test_vllm_w13_w2_with_ep() -> None:
     spec = ParallelSpec(tp=4, ep=4)
     for r in range(4):
         got = local("vllm", m, spec, c, tp_rank=r, ep_rank=r)
-        w13, w2 = got["model.layers.2.mlp.experts.w13_weight"], got["model.layers.2.mlp.experts.w2_weight"]
+        w13, w2 = (
+            got["model.layers.2.mlp.experts.routed_experts.w13_weight"],
+            got["model.layers.2.mlp.experts.routed_experts.w2_weight"],
+        )
         assert w13.shape == (2, 64, 64) and w2.shape == (2, 64, 32)
         for k in range(2):
             e = 2 * r + k
@@ -73,7 +79,10 @@ def test_vllm_dense_layer_of_moe_model() -> None:
     m = model("tiny-qwen3-moe")  # mlp_only_layers=[1]
     got = local("vllm", m, ParallelSpec(tp=2), canon_of(m), tp_rank=0)
     assert "model.layers.1.mlp.gate_up_proj.weight" in got
-    assert "model.layers.1.mlp.experts.w13_weight" not in got and "model.layers.1.mlp.gate.weight" not in got
+    assert (
+        "model.layers.1.mlp.experts.routed_experts.w13_weight" not in got
+        and "model.layers.1.mlp.gate.weight" not in got
+    )
 
 
 # ---------------------------------------------------------------- megatron experts
@@ -323,7 +332,7 @@ def test_moe_errors(layout: str, preset: str, spec: str, pattern: str) -> None:
 
 def test_vllm_ep_experts_not_divisible() -> None:
     m = model("tiny-qwen3-moe", num_experts=6)
-    with pytest.raises(LayoutError, match=r"vllm: mlp\.experts\.w13_weight: E=6 not divisible by ep=tp=4"):
+    with pytest.raises(LayoutError, match=r"vllm: mlp\.experts\.routed_experts\.w13_weight: E=6 not divisible by ep=tp=4"):
         VllmLayout().validate(m, ParallelSpec(tp=4, ep=4))
     with pytest.raises(
         LayoutError, match=r"megatron: mlp\.experts\.gate_proj\.weight: Im=32 not divisible by etp=3"
