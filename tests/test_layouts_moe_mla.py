@@ -332,7 +332,9 @@ def test_moe_errors(layout: str, preset: str, spec: str, pattern: str) -> None:
 
 def test_vllm_ep_experts_not_divisible() -> None:
     m = model("tiny-qwen3-moe", num_experts=6)
-    with pytest.raises(LayoutError, match=r"vllm: mlp\.experts\.routed_experts\.w13_weight: E=6 not divisible by ep=tp=4"):
+    with pytest.raises(
+        LayoutError, match=r"vllm: mlp\.experts\.routed_experts\.w13_weight: E=6 not divisible by ep=tp=4"
+    ):
         VllmLayout().validate(m, ParallelSpec(tp=4, ep=4))
     with pytest.raises(
         LayoutError, match=r"megatron: mlp\.experts\.gate_proj\.weight: Im=32 not divisible by etp=3"
