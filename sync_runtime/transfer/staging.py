@@ -149,6 +149,8 @@ class DestinationWeights:
     def set_policy(self, policy: StagingPolicy) -> None:
         """Switch policy between syncs (the spec changed); refused while a sync is staged."""
         with self._lock:
+            if check_policy(policy) == self.policy:
+                return  # nothing to switch; begin() then drops any staging an interrupted sync left
             if self._staged is not None:
                 raise StagingError(f"cannot switch staging to {policy!r} in the middle of a sync")
             if check_policy(policy) != self.policy:
