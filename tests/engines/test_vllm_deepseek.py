@@ -20,7 +20,7 @@ from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants
 from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.report import SyncResult
+from sync_runtime.schema.report import NullReporter, SyncResult
 from tests.support.vllm_deploy import (
     CONFIGS,
     destination_ref,
@@ -35,14 +35,6 @@ from tests.support.vllm_deploy import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-deepseek"
 DST = ParallelSpec.parse("tp=2")
-
-
-class Reports:
-    def progress(self, event: Any) -> None:
-        pass
-
-    def finished(self, report: Any) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +73,7 @@ def test_engine_reports_the_mla_layout(deployment: dict[str, Any]) -> None:
 def test_mla_sync_is_bit_identical_to_the_reference_like_with_like(deployment: dict[str, Any]) -> None:
     engine, ref = deployment["engine"], deployment["ref"]
     dummy = generations([engine])[0]
-    coordinator = Coordinator(deployment["spec"], Reports(), manifest=deployment["manifest"])
+    coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
     try:
         report = coordinator.sync("v1")
     finally:

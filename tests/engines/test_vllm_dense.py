@@ -21,7 +21,7 @@ from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_parti
 from sync_runtime.errors import TopologyMismatchError
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import check_side, gather
-from sync_runtime.schema.report import SyncResult
+from sync_runtime.schema.report import NullReporter, SyncResult
 from tests.support import vllm_faults
 from tests.support.vllm_deploy import (
     CONFIGS,
@@ -37,14 +37,6 @@ from tests.support.vllm_deploy import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 NS = "vllm-dense"
 DST = ParallelSpec.parse("tp=1,replicas=2")
-
-
-class Reports:
-    def progress(self, event: Any) -> None:
-        pass
-
-    def finished(self, report: Any) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +96,7 @@ def test_a_tensor_the_engine_does_not_hold_is_refused_before_any_byte(deployment
 def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment: dict[str, Any]) -> None:
     setup, replicas = deployment["setup"], deployment["replicas"]
     dummy = generations(replicas)
-    coordinator = Coordinator(deployment["spec"], Reports(), manifest=deployment["manifest"])
+    coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
     try:
         report = coordinator.sync("v1")
         assert report.result is SyncResult.SUCCEEDED, report.failure
@@ -129,7 +121,7 @@ def test_a_destination_killed_mid_transfer_leaves_the_others_serving(deployment:
     train_step(setup, "v3")
     ray.get(r1.ws_rank_call.remote(0, "ws_arm_exit", (1,)))  # dies after round 0 of its ws_run
     spec = deployment["spec"]
-    coordinator = Coordinator(spec, Reports(), manifest=deployment["manifest"])
+    coordinator = Coordinator(spec, NullReporter(), manifest=deployment["manifest"])
     try:
         report = coordinator.sync("v3")
     finally:

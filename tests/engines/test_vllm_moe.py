@@ -27,7 +27,7 @@ from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants, train_step
 from sync_runtime.demo.weights import bits_to_torch, shard_arrays
 from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.report import SyncResult
+from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from tests.support.vllm_deploy import (
     CONFIGS,
@@ -43,14 +43,6 @@ from tests.support.vllm_deploy import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-moe"
 TP, EP = ParallelSpec.parse("tp=2"), ParallelSpec.parse("tp=2,ep=2")
-
-
-class Reports:
-    def progress(self, event: Any) -> None:
-        pass
-
-    def finished(self, report: Any) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +100,7 @@ def test_sync_is_bit_identical_a_scrambled_push_differs_and_a_resync_restores(
     serving = [engines[k] for k in order]
     assert deployment["ref_first"] == ref  # Qwen3-MoE on CPU repeats itself exactly
     dummy = dict(zip(order, generations(serving), strict=True))
-    coordinator = Coordinator(deployment["spec"], Reports(), manifest=deployment["manifest"])
+    coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
     try:
         report = coordinator.sync("v1")
         assert report.result is SyncResult.SUCCEEDED, report.failure
