@@ -11,16 +11,15 @@ from pydantic import ValidationError
 
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.schema import crd
+from sync_runtime.schema import status as wstatus
 from sync_runtime.schema.crd import (
-    Condition,
     DeploymentRef,
-    RuntimeStatus,
     WeightSyncSpec,
-    WeightSyncStatus,
     ray_token_env_name,
     resolve_ray_address,
     spec_problems,
 )
+from sync_runtime.schema.status import Condition, RuntimeStatus, WeightSyncStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "weightsyncs.weightsync.io.yaml"
@@ -197,8 +196,8 @@ def test_status_schema_covers_the_status_models(schema: dict) -> None:
         "observed_generation",
     } | {"lastTransitionTime", "observedGeneration"}
     runtime_phase = status_schema["properties"]["runtime"]["properties"]["phase"]["enum"]
-    assert runtime_phase == [p.value for p in crd.RuntimePhase]
-    assert status_schema["properties"]["phase"]["enum"] == [p.value for p in crd.Phase]
+    assert runtime_phase == [p.value for p in wstatus.RuntimePhase]
+    assert status_schema["properties"]["phase"]["enum"] == [p.value for p in wstatus.Phase]
 
 
 def test_crd_identity_and_columns(crd_doc: dict) -> None:
@@ -213,6 +212,7 @@ def test_crd_identity_and_columns(crd_doc: dict) -> None:
         "Source": ".spec.source.name",
         "Destinations": ".status.destinations",
         "Desired": ".spec.version",
+        "Serving": ".status.serving",
         "Synced": ".status.syncedVersion",
         "Phase": ".status.phase",
         "Duration": ".status.lastSync.seconds",
@@ -318,7 +318,7 @@ def test_status_parses_api_output_and_tolerates_new_fields() -> None:
         },
     }
     status = WeightSyncStatus.model_validate(raw)
-    assert status.phase is crd.Phase.SYNCED and status.condition("Synced").reason == "VersionSynced"
+    assert status.phase is wstatus.Phase.SYNCED and status.condition("Synced").reason == "VersionSynced"
     assert isinstance(status.runtime, RuntimeStatus) and status.runtime.last_report == {
         "version": "v2",
         "anything": True,

@@ -19,13 +19,8 @@ from weightsync_operator.pod import PodPhase, PodState
 from weightsync_operator.retry import PodAction, PodDecision
 from weightsync_operator.status import derive_status
 
-from sync_runtime.schema.crd import (
-    RestartStatus,
-    RuntimeStatus,
-    WeightSyncSpec,
-    WeightSyncStatus,
-    spec_problems,
-)
+from sync_runtime.schema.crd import WeightSyncSpec, spec_problems
+from sync_runtime.schema.status import RestartStatus, RuntimeStatus, WeightSyncStatus
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "crds" / "weightsyncs.weightsync.io.yaml").read_text())["spec"]["versions"][

@@ -12,8 +12,8 @@ from kubernetes import watch as k8s_watch
 from kubernetes.client.rest import ApiException
 
 from sync_runtime.kube import status as k8s
-from sync_runtime.schema.crd import RuntimePhase, RuntimeStatus, WeightSyncStatus
 from sync_runtime.schema.report import ProgressEvent, SyncFailure, SyncReport, SyncResult, SyncStep
+from sync_runtime.schema.status import RuntimePhase, RuntimeStatus, WeightSyncStatus
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -8,7 +8,8 @@ import pytest
 from weightsync_operator.pod import MISSING, PodPhase, PodState
 from weightsync_operator.retry import PodAction, RetryAction, backoff_seconds, plan_pod, retry_decision
 
-from sync_runtime.schema.crd import RestartStatus, RetryPolicy
+from sync_runtime.schema.crd import RetryPolicy
+from sync_runtime.schema.status import RestartStatus
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 POLICY = RetryPolicy(limit=3, backoff_seconds=10, max_backoff_seconds=25)

@@ -9,15 +9,9 @@ from weightsync_operator.pod import MISSING, PodPhase, PodState
 from weightsync_operator.retry import PodAction, PodDecision
 from weightsync_operator.status import derive_status, status_patch
 
-from sync_runtime.schema.crd import (
-    Phase,
-    RestartStatus,
-    RuntimeStatus,
-    SyncProgress,
-    WeightSyncSpec,
-    WeightSyncStatus,
-)
+from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import SyncFailure, SyncReport, SyncResult, SyncStep
+from sync_runtime.schema.status import Phase, RestartStatus, RuntimeStatus, SyncProgress, WeightSyncStatus
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 SPEC = WeightSyncSpec.model_validate(
@@ -267,3 +261,44 @@ def test_no_traceback_reaches_conditions_or_restart_messages() -> None:
     only_frames = 'Traceback (most recent call last):\n  File "/x.py", line 1, in <module>'
     assert public_message(only_frames) == "failed (details in the runtime's log)"
     assert public_message("x" * 10_000) == "x" * 4096
+
+
+def _with_replicas(version: str, ok: bool, *replicas: tuple[int, str | None, str, list]) -> dict:
+    out = report(version, ok=ok)
+    out["replicas"] = [
+        {"deployment": "d", "replica": i, "version": v, "state": state, "rankVersions": ranks,
+         "reason": None if state == "Serving" else "MixedVersions"}
+        for i, v, state, ranks in replicas
+    ]  # fmt: skip
+    return out
+
+
+def test_a_mixed_replica_is_named_in_status_and_degraded_until_repaired() -> None:
+    serving, mixed_replica = (0, "v2", "Serving", ["v2", "v2"]), (1, None, "Degraded", ["v1", "v2"])
+    mixed = _with_replicas("v2", False, serving, mixed_replica)
+    status, _ = derive(rt=runtime(lastReport=mixed))
+    assert conds(status)["Degraded"] == ("True", "MixedVersions")
+    degraded = status.condition("Degraded")
+    assert degraded is not None and "d replica 1 is Degraded (ranks on v1, v2)" in degraded.message
+    assert status.serving == "1/2"
+    got = [(r.replica, r.version, r.state) for r in status.replicas]
+    assert got == [(0, "v2", "Serving"), (1, None, "Degraded")]
+    assert status.replicas[1].rank_versions == ["v1", "v2"]
+    # A later failure that never reached the commit (no replicas in its report) keeps what is known.
+    early = report("v2", ok=False, end=T0 + timedelta(minutes=1))
+    status, _ = derive(rt=runtime(lastReport=early), prior=status)
+    assert status.serving == "1/2" and conds(status)["Degraded"] == ("True", "MixedVersions")
+    # The repairing sync: every replica serves v2, Degraded clears.
+    good = _with_replicas("v2", True, (0, "v2", "Serving", ["v2", "v2"]), (1, "v2", "Serving", ["v2", "v2"]))
+    status, _ = derive(rt=runtime(lastReport=good), prior=status)
+    assert conds(status)["Degraded"] == ("False", "AsExpected") and status.serving == "2/2"
+    assert status_patch(status, None)["replicas"][1] == {
+        "deployment": "d", "replica": 1, "version": "v2", "state": "Serving", "reason": None,
+        "rankVersions": ["v2", "v2"],
+    }  # fmt: skip
+
+
+def test_a_failed_sync_with_every_replica_serving_stays_sync_failed() -> None:
+    ok = _with_replicas("v2", False, (0, "v1", "Serving", ["v1"]))
+    status, _ = derive(rt=runtime(lastReport=ok))
+    assert conds(status)["Degraded"] == ("True", "SyncFailed") and status.serving == "1/1"

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal
 
-from sync_runtime.schema.crd import Condition
 from sync_runtime.schema.public import public_message
+from sync_runtime.schema.status import Condition
 
 _REASON = re.compile(r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$")
 MAX_MESSAGE = 32768

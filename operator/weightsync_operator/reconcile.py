@@ -14,8 +14,9 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from sync_runtime.schema.crd import WeightSyncSpec, WeightSyncStatus, spec_problems
+from sync_runtime.schema.crd import WeightSyncSpec, spec_problems
 from sync_runtime.schema.report import SyncResult
+from sync_runtime.schema.status import WeightSyncStatus
 from weightsync_operator.config import OperatorConfig, RuntimeDefaults
 from weightsync_operator.overrides import REASON as OVERRIDE_REFUSED
 from weightsync_operator.overrides import override_problems

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 
-from sync_runtime.schema.crd import RestartStatus, RetryPolicy
+from sync_runtime.schema.crd import RetryPolicy
 from sync_runtime.schema.public import public_message
+from sync_runtime.schema.status import RestartStatus
 from weightsync_operator.pod import PodPhase, PodState
 
 

@@ -13,20 +13,22 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from sync_runtime.schema.crd import (
+from sync_runtime.schema.crd import WeightSyncSpec
+from sync_runtime.schema.public import public_message
+from sync_runtime.schema.report import SyncReport, SyncResult
+from sync_runtime.schema.status import (
     ConditionType,
     FailureSummary,
     LastSync,
     Phase,
+    ReplicaStatus,
     RuntimePhase,
     RuntimeStatus,
-    WeightSyncSpec,
     WeightSyncStatus,
 )
-from sync_runtime.schema.public import public_message
-from sync_runtime.schema.report import SyncReport, SyncResult
 from weightsync_operator.conditions import ConditionUpdate, merge_conditions, safe_reason
 from weightsync_operator.pod import PodPhase, PodState, runtime_pod_name
+from weightsync_operator.replicas import out_of_serving, replica_statuses, serving_column
 from weightsync_operator.retry import PodAction, PodDecision
 
 T, F = "True", "False"
@@ -119,6 +121,7 @@ class _Facts:
     pod_error: str | None = None
     spec_reason: str = "InvalidSpec"
     """Why the spec cannot be used: InvalidSpec, or RuntimeOverrideRefused (the installer's allowlist)."""
+    replicas: tuple[ReplicaStatus, ...] = ()
 
     @property
     def sync_failed(self) -> bool:
@@ -234,6 +237,10 @@ def _degraded(x: _Facts) -> ConditionUpdate:
     if x.runtime_failed and x.live is not None:
         return ConditionUpdate(c, T, safe_reason(x.live.reason, "RuntimeFailed"), x.live.message or "")
     if x.sync_failed and not x.syncing and x.last is not None:
+        # A replica kept out of serving is the more specific (and actionable) fact than the failure.
+        bad = out_of_serving(x.replicas)
+        if bad is not None:
+            return ConditionUpdate(c, T, safe_reason(bad[0], "ReplicaOutOfServing"), bad[1])
         return ConditionUpdate(c, T, "SyncFailed", _failure_text(x.last))
     return ConditionUpdate(c, F, "AsExpected", "")
 
@@ -320,25 +327,14 @@ def derive_status(
     now = now.replace(microsecond=0)  # metav1.Time has second precision; keeps equality stable
     report = parse_report(runtime_status)
     last = summarize(report) if report is not None else prior_status.last_sync
-    synced = (
-        report.version
-        if report is not None and report.result is SyncResult.SUCCEEDED
-        else (prior_status.synced_version)
-    )
+    ok = report is not None and report.result is SyncResult.SUCCEEDED
+    synced = report.version if ok and report is not None else prior_status.synced_version
     live = live_runtime(runtime_status, pod_state)
     pod_name = pod_state.name or runtime_pod_name(ws_name)
-    x = _Facts(
-        spec.version if spec else None,
-        synced,
-        last,
-        live,
-        pod_state,
-        decision,
-        spec_error,
-        pod_name,
-        pod_error,
-        spec_reason,
-    )
+    replicas = replica_statuses(report, prior_status.replicas)
+    desired = spec.version if spec else None
+    x = _Facts(desired, synced, last, live, pod_state, decision, spec_error, pod_name, pod_error, spec_reason,
+               tuple(replicas))  # fmt: skip
     updates = [_runtime_ready(x), _syncing(x), _synced(x), _degraded(x)]
     progress = live.progress if x.syncing and live is not None else None
     creating = decision.action in (PodAction.CREATE, PodAction.REPLACE)
@@ -352,6 +348,8 @@ def derive_status(
         runtime_pod=pod_name if pod_state.exists or creating else None,
         destinations=",".join(d.name for d in spec.destinations) if spec else prior_status.destinations,
         topology_hash=desired_hash,
+        replicas=replicas,
+        serving=serving_column(replicas),
         restarts=decision.restarts,
         runtime=runtime_status,
     )

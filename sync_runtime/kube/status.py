@@ -1,14 +1,14 @@
 """The runtime's Kubernetes channel: read the desired spec, report into `status.runtime`.
 
 The runtime pod's ServiceAccount may get/list/watch its WeightSync and patch weightsyncs/status,
-nothing else. It writes only `status.runtime` (crd.RuntimeStatus), always as a JSON merge patch
+nothing else. It writes only `status.runtime` (status.RuntimeStatus), always as a JSON merge patch
 on the status subresource, so it never overwrites the operator's fields; the operator derives
 phase, conditions, syncedVersion and lastSync from it. Pod identity (POD_NAME/POD_UID, set by
 the operator through the downward API) goes into every patch so the operator can ignore what a
 replaced pod wrote last.
 
 Patch bodies are built by pure functions (`progress_patch`, `finished_patch`, `phase_patch`);
-messages pass `crd.public_message`, so a traceback reaches the log only, never status.
+messages pass `public.public_message`, so a traceback reaches the log only, never status.
 """
 
 from __future__ import annotations
@@ -23,16 +23,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sync_runtime.schema.crd import (
-    GROUP,
-    PLURAL,
-    VERSION,
-    RuntimePhase,
-    WeightSyncSpec,
-    WeightSyncStatus,
-)
+from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, WeightSyncSpec
 from sync_runtime.schema.public import public_message
 from sync_runtime.schema.report import ProgressEvent, SyncReport
+from sync_runtime.schema.status import RuntimePhase, WeightSyncStatus
 
 log = logging.getLogger("weightsync.k8s")
 MERGE_PATCH = "application/merge-patch+json"

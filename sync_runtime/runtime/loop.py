@@ -134,7 +134,7 @@ def _connect_until_up(spec: WeightSyncSpec, namespace: str, reporter) -> str:
     """Connect (switching clusters if the address changed), retrying with backoff while reporting Failed."""
     import ray
 
-    from sync_runtime.schema.crd import RuntimePhase
+    from sync_runtime.schema.status import RuntimePhase
 
     if ray.is_initialized():
         ray.shutdown()

@@ -2,20 +2,17 @@
 
 The operator and the runtime share these models and the runtime's report (report.py), nothing
 else. The wire format is camelCase; Python attributes are snake_case; the translation happens
-here, once (`WeightSyncSpec.model_validate(body["spec"])`, `WeightSyncStatus.model_validate(...)`).
+here, once (`WeightSyncSpec.model_validate(body["spec"])`, `status.WeightSyncStatus.model_validate(...)`).
 
 Spec rules the API server enforces with CEL (crds/weightsyncs.weightsync.io.yaml) are mirrored by
 `spec_problems()`, with the same messages, so the operator and offline tests see what
-`kubectl apply` would refuse. Status is split by writer: `status.runtime` (RuntimeStatus) belongs
-to the runtime pod, every other status field to the operator.
+`kubectl apply` would refuse. The status models live in status.py.
 """
 
 from __future__ import annotations
 
 import re
-from datetime import datetime
-from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -261,135 +258,3 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
     if not spec.allow_unauthenticated_ray and any(d.auth_secret_ref is None for d in spec.deployments()):
         out.append(f"spec: {MSG_RAY_AUTH}")
     return out
-
-
-# ---- status --------------------------------------------------------------------------------------
-
-
-class StatusModel(BaseModel):
-    """Status is read back from the API: tolerate fields a newer writer added."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore", frozen=True)
-
-
-class Phase(StrEnum):
-    PENDING = "Pending"
-    CONNECTING = "Connecting"
-    SYNCING = "Syncing"
-    SYNCED = "Synced"
-    FAILED = "Failed"
-
-
-class RuntimePhase(StrEnum):
-    """What the runtime pod says it is doing (status.runtime.phase)."""
-
-    CONNECTING = "Connecting"
-    IDLE = "Idle"
-    SYNCING = "Syncing"
-    FAILED = "Failed"
-    """The runtime cannot work at all (e.g. the Ray cluster is unreachable); reason/message say why."""
-
-
-class ConditionType(StrEnum):
-    RUNTIME_READY = "RuntimeReady"
-    """The runtime pod runs and is connected to the deployments' Ray clusters."""
-    SYNCING = "Syncing"
-    """A sync of spec.version is requested or in progress."""
-    SYNCED = "Synced"
-    """status.syncedVersion == spec.version."""
-    DEGRADED = "Degraded"
-    """Something needs attention: failed sync, dead runtime, invalid spec, retries exhausted."""
-
-
-class Condition(StatusModel):
-    """metav1.Condition."""
-
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: datetime
-    observed_generation: int | None = None
-
-
-class SyncProgress(StatusModel):
-    """status.progress. Mirrors report.ProgressEvent because status is read tolerantly (unknown
-    fields and steps of a newer runtime must not break the operator), the wire event strictly."""
-
-    version: str
-    step: str
-    done_bytes: int = 0
-    total_bytes: int = 0
-    round: int = 0
-    rounds: int = 0
-
-
-class FailureSummary(StatusModel):
-    """The CR status shape of a SyncFailure: the fields the CRD declares, read back tolerantly."""
-
-    reason: str
-    message: str = ""
-    rank: int | None = None
-    step: str | None = None
-
-
-class LastSync(StatusModel):
-    """Summary of the last finished sync's report (DESIGN 6): the part of report.SyncReport the
-    CR's status keeps (no per-rank list, which grows with the fleet), read tolerantly."""
-
-    version: str
-    result: Literal["Succeeded", "Failed"]
-    planned_bytes: int = 0
-    moved_bytes: int = 0
-    seconds: float = 0.0
-    throughput_bytes_per_second: float = 0.0
-    stages: dict[str, float] = {}
-    started_at: datetime | None = None
-    finished_at: datetime | None = None
-    plan_cached: bool = False
-    failure: FailureSummary | None = None
-
-
-class RestartStatus(StatusModel):
-    """Runtime pod failures counted against spec.retry.limit (reset on spec changes and successes)."""
-
-    count: int = 0
-    last_failure_time: datetime | None = None
-    last_failed_pod_uid: str | None = None
-    last_failure_message: str | None = None
-    next_restart_time: datetime | None = None
-
-
-class RuntimeStatus(StatusModel):
-    """status.runtime: written only by the runtime pod, with JSON merge patches on /status."""
-
-    phase: RuntimePhase | None = None
-    version: str | None = None
-    """The version being synced (Syncing) or last handled."""
-    pod_name: str | None = None
-    pod_uid: str | None = None
-    """Lets the operator ignore what a replaced pod wrote last."""
-    reason: str | None = None
-    message: str | None = None
-    progress: SyncProgress | None = None
-    last_report: dict[str, Any] | None = None
-    """The full SyncReport (camelCase); parsed by the operator with report.SyncReport."""
-    heartbeat_time: datetime | None = None
-
-
-class WeightSyncStatus(StatusModel):
-    phase: Phase | None = None
-    observed_generation: int | None = None
-    conditions: list[Condition] = []
-    synced_version: str | None = None
-    last_sync: LastSync | None = None
-    progress: SyncProgress | None = None
-    runtime_pod: str | None = None
-    destinations: str | None = None
-    """Destination names, comma-separated: the Destinations printer column."""
-    topology_hash: str | None = None
-    restarts: RestartStatus = RestartStatus()
-    runtime: RuntimeStatus | None = None
-
-    def condition(self, type_: str) -> Condition | None:
-        return next((c for c in self.conditions if c.type == type_), None)

@@ -28,7 +28,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from sync_runtime.errors import SyncFailure, SyncStep, WeightSyncError
-from sync_runtime.schema.crd import (
+from sync_runtime.schema.report import StageSeconds, SyncReport, SyncResult
+from sync_runtime.schema.status import (
     Condition,
     ConditionType,
     LastSync,
@@ -36,7 +37,6 @@ from sync_runtime.schema.crd import (
     RuntimePhase,
     WeightSyncStatus,
 )
-from sync_runtime.schema.report import StageSeconds, SyncReport, SyncResult
 from sync_runtime.trainer.errors import VersionSuperseded
 
 PENDING_REASON = "SyncPending"

@@ -34,8 +34,8 @@ from helpers import condition, get_json, wait_for
 from ray_cluster import RayCluster
 
 from sync_runtime.errors import ParticipantDied, Reason, SyncStep, TopologyMismatchError, WeightSyncError
-from sync_runtime.schema.crd import Condition, LastSync, Phase, RuntimeStatus, WeightSyncStatus
 from sync_runtime.schema.report import SyncFailure, SyncReport, SyncResult
+from sync_runtime.schema.status import Condition, LastSync, Phase, RuntimeStatus, WeightSyncStatus
 from sync_runtime.trainer import KubernetesSync, PushTimeout, VersionSuperseded, WeightSyncNotFound
 
 pytestmark = pytest.mark.e2e

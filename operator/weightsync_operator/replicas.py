@@ -1,0 +1,58 @@
+"""Per-replica status (pure): which version each destination replica serves, and why one does not.
+
+The runtime's report lists every destination replica after the commit phase (or after the
+recovery that opened a sync); the operator keeps that list in `status.replicas` until a later
+report carries a new one. A report without replicas (a sync that failed before its commit, e.g.
+at discovery) says nothing about them, so the last known list stays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sync_runtime.schema.report import ReplicaState, SyncReport
+from sync_runtime.schema.status import ReplicaStatus
+
+OUT_OF_SERVING_REASONS = {
+    ReplicaState.DEGRADED.value: "MixedVersions",
+    ReplicaState.POISONED.value: "ReplicaPoisoned",
+}
+"""The reason a replica state implies when the report gives none (older runtimes)."""
+
+
+def replica_statuses(report: SyncReport | None, prior: Sequence[ReplicaStatus]) -> list[ReplicaStatus]:
+    if report is None or not report.replicas:
+        return list(prior)
+    return [
+        ReplicaStatus(
+            deployment=r.deployment,
+            replica=r.replica,
+            version=r.version,
+            state=r.state.value,
+            reason=r.reason,
+            rank_versions=list(r.rank_versions),
+        )
+        for r in report.replicas
+    ]
+
+
+def serving_column(replicas: Sequence[ReplicaStatus]) -> str | None:
+    """ "1/2": replicas serving one complete version, of all; None before any report named them."""
+    if not replicas:
+        return None
+    serving = sum(r.state == ReplicaState.SERVING.value for r in replicas)
+    return f"{serving}/{len(replicas)}"
+
+
+def _ranks(r: ReplicaStatus) -> str:
+    return ", ".join(v or "none" for v in r.rank_versions)
+
+
+def out_of_serving(replicas: Sequence[ReplicaStatus]) -> tuple[str, str] | None:
+    """(reason, message) naming every replica kept out of serving, or None when all serve."""
+    bad = [r for r in replicas if r.state != ReplicaState.SERVING.value]
+    if not bad:
+        return None
+    reason = bad[0].reason or OUT_OF_SERVING_REASONS.get(bad[0].state, "ReplicaOutOfServing")
+    parts = [f"{r.deployment} replica {r.replica} is {r.state} (ranks on {_ranks(r)})" for r in bad]
+    return reason, "; ".join(parts) + "; kept out of serving until the next sync repairs it"
