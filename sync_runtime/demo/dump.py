@@ -3,6 +3,12 @@
 DIR/manifest.json, DIR/reference.safetensors (canonical HF names, bf16),
 DIR/destination/replica-{k}/pp{s}-tp{r}.safetensors (vLLM names, read back from each
 destination actor after the sync), DIR/report.json.
+
+With `--engine vllm` (demo/vllm_run.py) a rank's weights live in vLLM's kernel layouts and
+cannot be read back as tensors: each rank writes `pp{s}-tp{r}.checksums.json` instead (the
+checksums of the bytes it applied, and those of its layout shard of the reference), and each
+replica `generation.json` (its greedy generation before and after the sync, and the reference
+engine's).
 """
 
 from __future__ import annotations
@@ -37,6 +43,15 @@ def write_dump(
     destinations: Sequence[Participant],
     report: SyncReport,
 ) -> None:
+    write_manifest(out, model_config=model_config, src_layout=src_layout, src=src, dst=dst)
+    write_reference(out, reference)
+    write_destinations(out, destinations)
+    write_report(out, report)
+
+
+def write_manifest(
+    out: Path, *, model_config: Mapping[str, Any], src_layout: str, src: ParallelSpec, dst: ParallelSpec
+) -> None:
     out.mkdir(parents=True, exist_ok=True)
     manifest = {
         "model": dict(model_config),
@@ -45,13 +60,24 @@ def write_dump(
         "dtype": "bfloat16",
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def write_reference(out: Path, reference: Mapping[str, np.ndarray]) -> Path:
+    """DIR/reference.safetensors: the canonical HF-named tensors (uint16 bits saved as bf16)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "reference.safetensors"
     save_file(
         {
             name: torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
             for name, a in reference.items()
         },
-        str(out / "reference.safetensors"),
+        str(path),
     )
+    return path
+
+
+def write_destinations(out: Path, destinations: Sequence[Participant]) -> None:
+    """DIR/destination/replica-{k}/pp{s}-tp{r}.safetensors, read back from each rank."""
     for p in destinations:
         c = p.meta.coord
         names = [t.name for t in p.meta.tensors]
@@ -59,4 +85,8 @@ def write_dump(
         path = out / "destination" / f"replica-{c.replica}" / f"pp{c.pp_rank}-tp{c.tp_rank}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({n: t.contiguous() for n, t in zip(names, tensors, strict=True)}, str(path))
+
+
+def write_report(out: Path, report: SyncReport) -> None:
+    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(report.model_dump_json(by_alias=True, indent=2) + "\n")

@@ -37,6 +37,8 @@ from sync_runtime.demo.cluster import (
     weightsync_spec,
 )
 from sync_runtime.demo.console import ConsoleReporter, human_bytes, ranks_table, summary_table
+from sync_runtime.demo.vllm_models import DEFAULT_VLLM_MODEL
+from sync_runtime.demo.vllm_models import PRESETS as VLLM_PRESETS
 from sync_runtime.demo.weights import reference_weights
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.crd import Transport
@@ -60,19 +62,42 @@ __all__ = [
 """Re-exported for tests and end-to-end checks: `from sync_runtime.demo.run import ...`."""
 
 
+VLLM_SRC, VLLM_DST = "tp=2", "tp=1,replicas=2"
+DEFAULTS = {
+    "synthetic": (DEFAULT_MODEL, "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2"),
+    "vllm": (DEFAULT_VLLM_MODEL, VLLM_SRC, VLLM_DST),
+}
+"""(model, src, dst) per --engine; real vLLM engines: tiny dense Qwen3, one core per engine."""
+
+
 # ---- the CLI -------------------------------------------------------------------------------
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="preset name or path of a config.json")
+    parser.add_argument(
+        "--engine",
+        choices=("synthetic", "vllm"),
+        default="synthetic",
+        help="destinations: synthetic vLLM-layout actors (default) or real vLLM engines (engine env)",
+    )
+    parser.add_argument(
+        "--model",
+        help=f"preset name or path of a config.json (default {DEFAULT_MODEL}; with --engine vllm "
+        f"{DEFAULT_VLLM_MODEL}, also {', '.join(p for p in VLLM_PRESETS if p != DEFAULT_VLLM_MODEL)})",
+    )
     parser.add_argument(
         "--source",
         choices=("synthetic", "megatron-core"),
         default="synthetic",
         help="synthetic seeded shards (default) or real Megatron-Core trainer ranks (embedded cluster only)",
     )
-    parser.add_argument("--src", default="tp=2,pp=2,ep=2", help="source (megatron) parallelism")
-    parser.add_argument("--dst", default="tp=2,ep=2,replicas=2", help="destination (vllm) parallelism")
+    parser.add_argument(
+        "--src", help=f"source (megatron) parallelism (default {DEFAULTS['synthetic'][1]}; vllm: {VLLM_SRC})"
+    )
+    parser.add_argument(
+        "--dst",
+        help=f"destination (vllm) parallelism (default {DEFAULTS['synthetic'][2]}; vllm: {VLLM_DST})",
+    )
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, version)")
     parser.add_argument("--dump", type=Path, help="write DESIGN 4.4 files here")
     parser.add_argument("--ray-address", help="use an existing Ray cluster instead of an embedded one")
@@ -93,8 +118,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expect-version", help="version --verify-only expects")
 
 
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Model and topologies not given take the defaults of the chosen engine."""
+    model, src, dst = DEFAULTS[args.engine]
+    args.model = args.model or model
+    args.src = args.src or src
+    args.dst = args.dst or dst
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    _fill_defaults(args)
+    if args.engine == "vllm":
+        from sync_runtime.demo.vllm_run import run_vllm_demo
+
+        return run_vllm_demo(args, console)
     if args.source == "megatron-core":
         if args.ray_address or args.participants_only or args.train_step or args.verify_only:
             console.print("[red]--source megatron-core runs on an embedded cluster only[/]")

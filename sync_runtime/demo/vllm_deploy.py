@@ -1,0 +1,143 @@
+"""Real vLLM engines as demo destinations: replica actors (`engines.vllm_replica.VllmReplica`,
+dummy or checkpoint-loaded), their generations, the WeightSync that connects them to the demo's
+Megatron-layout sources. Shared by `weightsync demo --engine vllm`, tests/engines and
+bench/vllm_bench.py.
+
+vLLM itself is imported only inside the replica actors (their processes run in the engine
+environment, tools/vllm_env.sh); this module imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+import sync_runtime
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.demo.vllm_models import MAX_TOKENS, PROMPTS
+from sync_runtime.schema.crd import DeploymentRef, Parallelism, Transport, WeightSyncSpec
+
+Generation = list[dict[str, list]]
+"""One replica's answer to PROMPTS: per prompt {"token_ids": [...], "logprobs": [...]}."""
+READY_TIMEOUT_S = 900.0
+"""Engine start on a loaded 2-core machine: 2-6 minutes, several engines starting together."""
+
+
+def engine_env(tp: int, pythonpath: Sequence[str] = ()) -> dict[str, str]:
+    """Environment of a replica actor and the vLLM worker processes it spawns."""
+    package_root = str(Path(sync_runtime.__file__).resolve().parents[1])
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    cores = os.cpu_count() or 1
+    return {
+        # the spawned vLLM workers import sync_runtime (and a test's worker extension)
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys([*pythonpath, package_root, *inherited])),
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default would take most of the RAM
+        # one core per TP worker, or every core for a single worker
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(tp))
+        if tp > 1
+        else f"0-{cores - 1}",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def start_replica(
+    name: str,
+    namespace: str,
+    model_dir: str,
+    *,
+    tp: int,
+    ep: bool = False,
+    replica: int = 0,
+    load_format: str = "dummy",
+    extension: str | None = None,
+    env: dict[str, str] | None = None,
+    actor_class: type | None = None,
+) -> Any:
+    """A named `VllmReplica` actor (returns at once; its engine starts in the background:
+    wait with `wait_ready`). `actor_class`: a VllmReplica subclass (the benchmark's)."""
+    from sync_runtime.engines.vllm_replica import WORKER_EXTENSION, VllmReplica, replica_options
+
+    options = replica_options(name, namespace, tp, env if env is not None else engine_env(tp))
+    return (
+        ray.remote(actor_class or VllmReplica)
+        .options(**options)
+        .remote(
+            model_dir,
+            replica=replica,
+            tensor_parallel_size=tp,
+            enable_expert_parallel=ep,
+            load_format=load_format,
+            worker_extension_cls=extension or WORKER_EXTENSION,
+        )
+    )
+
+
+def wait_ready(handles: Sequence[Any], timeout_s: float = READY_TIMEOUT_S) -> list[int]:
+    """Block until every replica's engine is up (its ranks set up); their rank counts."""
+    return list(ray.get([h.ws_num_ranks.remote() for h in handles], timeout=timeout_s))
+
+
+def destination_ref(name: str, namespace: str, prefix: str, spec: ParallelSpec) -> DeploymentRef:
+    return DeploymentRef(
+        name=name,
+        ray_address="-",
+        ray_namespace=namespace,
+        actor_prefix=prefix,
+        layout="vllm",
+        parallelism=Parallelism.from_spec(spec),
+    )
+
+
+def sync_spec(
+    model_path: str,
+    namespace: str,
+    src: ParallelSpec,
+    destinations: Sequence[DeploymentRef],
+    version: str,
+    **transport: Any,
+) -> WeightSyncSpec:
+    """Megatron sources (prefix `trainer-`) to the given vLLM destinations."""
+    source = DeploymentRef(
+        name="trainer",
+        ray_address="-",
+        ray_namespace=namespace,
+        actor_prefix="trainer-",
+        layout="megatron",
+        parallelism=Parallelism.from_spec(src),
+    )
+    return WeightSyncSpec(
+        source=source,
+        destinations=list(destinations),
+        version=version,
+        model=model_path,
+        transport=Transport(**{"transfer_timeout_seconds": 60, **transport}),
+    )
+
+
+def generations(handles: Sequence[Any], prompts: Sequence[Sequence[int]] = PROMPTS) -> list[Generation]:
+    """Every replica's greedy generation of `prompts` (concurrently), MAX_TOKENS each."""
+    rows = [list(p) for p in prompts]
+    return list(ray.get([h.generate.remote(rows, MAX_TOKENS) for h in handles], timeout=300))
+
+
+def rows_equal(a: Generation, b: Generation) -> int:
+    """How many prompt rows agree exactly (token ids and every logprob bit)."""
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
+def token_rows_equal(a: Generation, b: Generation) -> int:
+    """How many prompt rows have the same token ids (logprobs not compared)."""
+    return sum(x["token_ids"] == y["token_ids"] for x, y in zip(a, b, strict=True))
+
+
+def stop_replicas(handles: Sequence[Any]) -> None:
+    """Stop each engine's processes, then the actor (idempotent; a dead engine is skipped)."""
+    for h in handles:
+        with contextlib.suppress(Exception):  # already stopped, or its engine died (fault tests)
+            ray.get(h.shutdown.remote(), timeout=60)
+        ray.kill(h)
