@@ -116,14 +116,18 @@ def env():
 
 
 def _coordinator(
-    state: dict, hooks: CommitHooks | None = None, snapshot: bool = False, staging: str = "host"
-) -> Coordinator:
+    state: dict, hooks: CommitHooks | None = None, snapshot: bool = False, staging: str = "host",
+    dest_staging: str | None = None,
+) -> Coordinator:  # fmt: skip
+    """`staging` is transport.staging; `dest_staging` the destination deployment's own override."""
     if state["coordinator"] is not None:
         state["coordinator"].close()
     transport = Transport(
         transfer_timeout_seconds=TIMEOUT_S, connect_timeout_seconds=30, snapshot=snapshot, staging=staging
     )
     spec = weightsync_spec(state["setup"], "v1", address=state["address"], transport=transport)
+    dests = [d.model_copy(update={"staging": dest_staging}) for d in spec.destinations]
+    spec = spec.model_copy(update={"destinations": dests})
     c = Coordinator(spec, NullReporter(), manifest=state["setup"].manifest, advertise_host="127.0.0.1",
                     store_address=("127.0.0.1", state["store"].port), commit_hooks=hooks)  # fmt: skip
     state["coordinator"] = c
@@ -259,20 +263,26 @@ def test_staged_bytes_corrupted_after_decision(env, rep: int) -> None:
     _end(checker, setup, new, report)
 
 
+@pytest.mark.parametrize("where", ["transport", "destination"])
 @pytest.mark.parametrize("rep", range(REPEATS))
-def test_inplace_sync_that_fails_poisons_then_next_sync_resends(env, rep: int) -> None:
-    setup, old, new = env["setup"], f"p{rep}a", f"p{rep}b"
+def test_inplace_sync_that_fails_poisons_then_next_sync_resends(env, rep: int, where: str) -> None:
+    """`inplace` set for all destinations (transport.staging) or by the destination deployment
+    itself over a `host` default: either way the failed sync poisons its replicas."""
+    setup, old, new = env["setup"], f"p{rep}{where[0]}a", f"p{rep}{where[0]}b"
+    policy = (
+        {"staging": "inplace"} if where == "transport" else {"staging": "host", "dest_staging": "inplace"}
+    )
     _repair(env, old)
     source = find_actors(NS, setup.src_prefix)[1][1]
     ray.get(source.ws_arm.remote("raise"))
     with _checker(setup, old, new) as checker:
         train_step(setup, new)
-        report = _coordinator(env, staging="inplace").sync(new)
+        report = _coordinator(env, **policy).sync(new)
         ray.get(source.ws_arm.remote(None))
         assert report.result is SyncResult.FAILED and report.failure.reason == Reason.SOURCE_ERROR
         assert {r.state for r in report.replicas} == {ReplicaState.POISONED}, report.replicas
         assert checker.final() == {0: None, 1: None}  # neither version: nobody serves
-        report = _coordinator(env, staging="inplace").sync(new)  # resent in full, in place
+        report = _coordinator(env, **policy).sync(new)  # resent in full, in place
     _judge(checker)
     _end(checker, setup, new, report)
 

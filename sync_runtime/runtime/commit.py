@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,11 +60,13 @@ def destinations(sides: Sequence[DiscoveredSide]) -> list[Dest]:
     return out
 
 
-def begin_txn(dests: Sequence[Dest], staging: str, timeout_s: float) -> str:
-    """A new transaction's name. With `inplace` staging every destination replica is paused
-    first, all its ranks together: live memory is overwritten from the first byte on."""
-    if staging == "inplace":
-        call_each([(d.p, "ws_pause", ()) for d in dests], timeout_s)
+def begin_txn(dests: Sequence[Dest], staging: Mapping[int, str], timeout_s: float) -> str:
+    """A new transaction's name. Every replica of an `inplace` deployment (`staging`: rank ->
+    policy) is paused first, all its ranks together: live memory is overwritten from the first
+    byte on."""
+    paused = [(d.p, "ws_pause", ()) for d in dests if staging.get(d.rank) == "inplace"]
+    if paused:
+        call_each(paused, timeout_s)
     return f"txn-{secrets.token_hex(12)}"
 
 

@@ -260,10 +260,12 @@ class Coordinator:
     def _transfer(self, session: Session, att: _Attempt) -> list:
         self._emit(att, SyncStep.TRANSFER)
         t = time.monotonic()
-        session.txn = begin_txn(att.dests, self.spec.transport.staging, self._rpc_timeout())
+        staging = {d.rank: self.spec.staging_of(d.deployment) for d in att.dests}
+        session.txn = begin_txn(att.dests, staging, self._rpc_timeout())
         out = drive_transfer(
-            session, self.spec.transport, att.version, self._store, self._progress_sink(att), session.txn
-        )
+            session, self.spec.transport, att.version, self._store, self._progress_sink(att), session.txn,
+            staging,
+        )  # fmt: skip
         att.stages.transfer = time.monotonic() - t
         if out.failure is not None:
             self._abort_all(session, att, skip=out.unfinished)

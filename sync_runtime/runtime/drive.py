@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,16 +35,18 @@ def backend_for(participants: Sequence[Participant], transport: Transport) -> st
 
 
 def transfer_config(
-    transport: Transport, participant: Participant, backend: str | None = None
+    transport: Transport, participant: Participant, backend: str | None = None, staging: str | None = None
 ) -> TransferConfig:
+    """`staging`: the rank's own policy (its deployment's), else transport.staging."""
     backend = backend or backend_for([participant], transport)
     device = participant.meta.device if backend == "nccl" else "cpu"
     return TransferConfig(
         backend=backend,
         timeout_s=float(transport.transfer_timeout_seconds),
         device=device,
-        staging=transport.staging,
+        staging=staging or transport.staging,
         snapshot=transport.snapshot,
+        wire_dtypes=participant.wire_dtypes,  # the destination rank's casts, found by discovery
     )
 
 
@@ -66,8 +68,11 @@ def drive_transfer(
     store: Any,
     on_progress: Callable[[int], None],
     txn: str | None = None,
+    staging: Mapping[int, str] | None = None,
 ) -> Transfer:
-    """Run every rank's plan concurrently; all results, or the root cause of the failure."""
+    """Run every rank's plan concurrently; all results, or the root cause of the failure.
+
+    `staging`: destination rank -> its deployment's staging policy (default transport.staging)."""
     plan, ps = session.plan, session.participants
     backend = backend_for(ps, transport)
     keys = [f"{session.group_name}/progress/{rank}" for rank in range(len(ps))]
@@ -76,7 +81,7 @@ def drive_transfer(
     refs: dict[Any, int] = {}
     for rank, p in enumerate(ps):
         rank_plan = plan.digest if session.plans_sent else plan.for_rank(rank)
-        cfg = transfer_config(transport, p, backend)
+        cfg = transfer_config(transport, p, backend, (staging or {}).get(rank))
         refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg, txn)] = rank
     session.syncs += 1  # the engine numbers syncs per group from 1; keeps the coordinator in step
     margin = deadline_margin(transport.transfer_timeout_seconds)

@@ -97,6 +97,11 @@ class Parallelism(CrdModel):
         )
 
 
+StagingPolicy = Literal["host", "device", "inplace"]
+"""Where a destination holds a sync's bytes until the commit decision (docs/update-protocol.md):
+host memory (default), a device shadow copy (2x device memory), or live memory (engine paused)."""
+
+
 class DeploymentRef(CrdModel):
     """Where a model deployment's participant actors live and how they are sharded."""
 
@@ -112,6 +117,8 @@ class DeploymentRef(CrdModel):
     parallelism: Parallelism = Parallelism()
     auth_secret_ref: SecretKeyRef | None = None
     """Secret holding the Ray auth token; reaches the runtime only as a secretKeyRef env var."""
+    staging: StagingPolicy | None = None
+    """Destinations only: overrides transport.staging for this deployment's ranks."""
 
 
 def resolve_ray_address(ref: DeploymentRef, namespace: str) -> str:
@@ -136,9 +143,8 @@ class Transport(CrdModel):
     relay: Literal["off", "auto", "on"] = "off"
     connect_timeout_seconds: int = Field(120, ge=1)
     transfer_timeout_seconds: int = Field(300, ge=1)
-    staging: Literal["host", "device", "inplace"] = "host"
-    """Where a destination holds a sync's bytes until the commit decision (docs/update-protocol.md):
-    host memory (default), a device shadow copy (2x device memory), or live memory (engine paused)."""
+    staging: StagingPolicy = "host"
+    """The destinations' staging policy, unless a destination sets its own (DeploymentRef.staging)."""
     snapshot: bool = False
     """Copy the source shards to host memory first, so the trainer may step during the transfer."""
 
@@ -173,6 +179,11 @@ class WeightSyncSpec(CrdModel):
     allow_unauthenticated_ray: bool = False
     """Accept deployments without authSecretRef (the operator posts a Warning Event)."""
 
+    def staging_of(self, deployment: str) -> StagingPolicy:
+        """The staging policy of a destination deployment (by name)."""
+        ref = next(d for d in self.destinations if d.name == deployment)
+        return ref.staging or self.transport.staging
+
     def deployments(self) -> list[DeploymentRef]:
         """Source first, then destinations: the index order of `ray_token_env_name`."""
         return [self.source, *self.destinations]
@@ -189,6 +200,7 @@ MSG_DEST_LAYOUT = "destination layout must be vllm or hf (megatron is source-onl
 MSG_SOURCE_EP = "source: ep must divide tp*dp"
 MSG_SOURCE_ETP = "source: ep*etp must divide tp*dp"
 MSG_SOURCE_REPLICAS = "source: replicas must be 1 (use dp for data-parallel copies)"
+MSG_SOURCE_STAGING = "source: staging applies to destinations only"
 MSG_DEST_EP = "destination: ep must be 1 or equal to tp (EP inside TP)"
 MSG_DEST_DP = "destination: dp must be 1 (use replicas for data-parallel engines)"
 MSG_DEST_ETP_VPP = "destination: etp and vpp must be 1"
@@ -233,6 +245,8 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
         out.append(f"spec.source: {MSG_SOURCE_ETP}")
     if src.replicas != 1:
         out.append(f"spec.source: {MSG_SOURCE_REPLICAS}")
+    if spec.source.staging is not None:
+        out.append(f"spec.source: {MSG_SOURCE_STAGING}")
     names = [d.name for d in spec.destinations]
     if len(set(names)) != len(names):
         out.append(f"spec.destinations: {MSG_UNIQUE_DESTINATIONS}")
