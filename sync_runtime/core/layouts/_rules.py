@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from sync_runtime.core.layouts.base import Box, LocalTensorMeta, Piece, Range, RankShard
 from sync_runtime.core.manifest import Manifest, TensorMeta
 from sync_runtime.core.models.config import ModelDims, model_dims
-from sync_runtime.core.topology import ParallelSpec, RankCoord
-from sync_runtime.errors import LayoutError, ModelConfigError
+from sync_runtime.core.topology import ParallelSpec, RankCoord, stage_layer_ranges
+from sync_runtime.errors import LayoutError, ModelConfigError, TopologyError
 
 EMBED = "model.embed_tokens.weight"
 LM_HEAD = "lm_head.weight"
@@ -47,6 +47,14 @@ def require(ok: bool, layout: str, subject: str, constraint: str) -> None:
     """Raise the LayoutError format every layout uses: "<layout>: <tensor or field>: <constraint>"."""
     if not ok:
         raise LayoutError(f"{layout}: {subject}: {constraint}")
+
+
+def require_stage_split(num_layers: int, spec: ParallelSpec, layout: str) -> None:
+    """The layout's PP split exists (even, or the explicit layer counts add up)."""
+    try:
+        stage_layer_ranges(num_layers, spec.pp, spec.layer_counts)
+    except TopologyError as e:
+        raise LayoutError(f"{layout}: pp: {e}") from e
 
 
 @dataclass(frozen=True, slots=True)

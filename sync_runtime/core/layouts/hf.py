@@ -24,12 +24,12 @@ from sync_runtime.core.layouts._rules import (
     kv_head_range,
     part,
     require,
+    require_stage_split,
     round_up,
 )
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.manifest import TensorMeta
 from sync_runtime.core.topology import ParallelSpec, RankCoord, stage_layer_ranges
-from sync_runtime.errors import LayoutError, TopologyError
 
 NAME = "hf"
 VOCAB_MULTIPLE = 64
@@ -80,10 +80,7 @@ class HfLayout(RuleLayout):
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:
     d, t = view.dims, spec.tp
-    try:
-        stage_layer_ranges(d.num_layers, spec.pp, spec.layer_counts)
-    except TopologyError as e:
-        raise LayoutError(f"{NAME}: pp: {e}") from e
+    require_stage_split(d.num_layers, spec, NAME)
     for layer in view.layers:
         for suffix in layer.dense:
             require(suffix in RULES, NAME, layer.prefix + suffix, "no rule of this layout covers the tensor")

@@ -39,12 +39,12 @@ from sync_runtime.core.layouts._rules import (
     kv_head_range,
     part,
     require,
+    require_stage_split,
     round_up,
 )
 from sync_runtime.core.layouts.base import Piece, RankShard
 from sync_runtime.core.manifest import TensorMeta
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, stage_layer_ranges
-from sync_runtime.errors import LayoutError, TopologyError
 
 NAME = "vllm"
 VOCAB_MULTIPLE = 64
@@ -79,10 +79,7 @@ class VllmLayout(RuleLayout):
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:
     d, t = view.dims, spec.tp
-    try:
-        stage_layer_ranges(d.num_layers, spec.pp, spec.layer_counts)
-    except TopologyError as e:
-        raise LayoutError(f"{NAME}: pp: {e}") from e
+    require_stage_split(d.num_layers, spec, NAME)
     attn = "model.layers.0.self_attn."
     require(spec.vpp == 1, NAME, "vpp", f"vpp={spec.vpp}: vLLM has no virtual pipeline stages")
     require(spec.etp == 1, NAME, "etp", f"etp={spec.etp}: vLLM shards experts by tp or ep only")
