@@ -35,18 +35,8 @@ from controlplane import ControlPlane, ensure_binaries  # noqa: E402
 from node_agent import pod_logs  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import say as _say  # noqa: E402
 from ray_cluster import RayCluster  # noqa: E402
-
-
-def _say(config: pytest.Config, line: str) -> None:
-    """Print past pytest's output capture (startup times show up even with -q)."""
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    tr = config.pluginmanager.get_plugin("terminalreporter")
-    if capman is None or tr is None:
-        print(line)
-        return
-    with capman.global_and_fixture_disabled():
-        tr.write_line(line)
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,50 @@
-"""Small helpers shared by the end-to-end tests: waiting, reading objects through kubectl."""
+"""Small helpers shared by the end-to-end tests: waiting, reading objects through kubectl, the
+chart values of a test release, printing past pytest's capture."""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import pytest
+
 Kubectl = Callable[..., Any]
+
+
+def say(config: pytest.Config, line: str) -> None:
+    """Print past pytest's output capture (startup times and phase timings show up even with -q)."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    tr = config.pluginmanager.get_plugin("terminalreporter")
+    if capman is None or tr is None:
+        print(line)
+        return
+    with capman.global_and_fixture_disabled():
+        tr.write_line(line)
+
+
+def operator_values(namespace: str, metrics_port: int, **operator: Any) -> dict[str, Any]:
+    """Chart values of a test release: single-namespace mode, the node agent's loopback, no probes."""
+    return {
+        "watchNamespace": namespace,
+        # The node agent puts the venv's bin first on PATH: `kopf` is the real kopf CLI.
+        "operator": {"command": ["kopf"], "healthPort": 0, "reconcileIntervalSeconds": 1, **operator},
+        "bindAddress": "127.0.0.1",  # nothing in the test listens off loopback
+        "metrics": {"port": metrics_port},
+    }
+
+
+def dump_pod_logs(pods_dir: Path, namespace: str, tail: int = 60) -> None:
+    """The last lines of every pod the node agent ran in `namespace` (operator, runtimes), to stderr."""
+    noise = ("Timer 'tick' succeeded", "Handler 'on_event' succeeded")
+    for log in sorted(pods_dir.glob(f"{namespace}_*/logs/*.log"), key=lambda p: p.stat().st_mtime):
+        lines = [x for x in log.read_text(errors="replace").splitlines() if not any(n in x for n in noise)]
+        lines = lines[-tail:]
+        print(f"----- {log.parent.parent.name}/{log.name} (last {len(lines)} lines)", file=sys.stderr)
+        print("\n".join(lines), file=sys.stderr)
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60, interval: float = 0.5) -> Any:
