@@ -16,21 +16,10 @@ import pytest
 import ray
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest
-from sync_runtime.core.topology import ParallelSpec, Role
-from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants
+from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
-from tests.support.vllm_deploy import (
-    CONFIGS,
-    destination_ref,
-    generations,
-    rows_equal,
-    start_replica,
-    stop_replicas,
-    sync_spec,
-    write_model,
-)
+from tests.support.vllm_deploy import deploy, destination_ref, generations, rows_equal, sync_spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-deepseek"
@@ -39,24 +28,24 @@ DST = ParallelSpec.parse("tp=2")
 
 @pytest.fixture(scope="module")
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    config = CONFIGS["deepseek_v3"]
-    manifest = build_manifest(config)
-    ref_dir = write_model(tmp_path_factory.mktemp("dsv3") / "v1", config, manifest, seed=0, version="v1")
-    setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=2", DST, namespace=NS, seed=0)
-    engine = start_replica("ds-r0", NS, ref_dir, tp=2)
-    reference = start_replica("ds-ref", NS, ref_dir, tp=2, load_format="auto")
-    try:
-        create_participants(
-            setup, src_version="v1", dst_version="-", skip=lambda c: c.role is Role.DESTINATION
-        )
-        ray.get([h.ws_num_ranks.remote() for h in (engine, reference)], timeout=800)
-        ref = [generations([reference])[0] for _ in range(3)]
-        stop_replicas([reference])
-        spec = sync_spec(setup.model, NS, setup.src, [destination_ref("ds", NS, "ds-", DST)], "v1")
-        yield {"setup": setup, "engine": engine, "ref": ref, "spec": spec, "manifest": manifest}
-    finally:
-        stop_replicas([engine, reference])
-        kill_participants(setup)
+    with deploy(
+        "deepseek_v3",
+        tmp_path_factory.mktemp("dsv3") / "v1",
+        src="tp=2",
+        dst=DST,
+        namespace=NS,
+        engines={"ds": ("ds-r0", {"tp": 2})},
+        references={"ref": ("ds-ref", {"tp": 2})},
+        reference_calls=3,
+    ) as d:
+        spec = sync_spec(d.setup.model, NS, d.setup.src, [destination_ref("ds", NS, "ds-", DST)], "v1")
+        yield {
+            "setup": d.setup,
+            "engine": d.engines["ds"],
+            "ref": [c["ref"] for c in d.reference_calls],
+            "spec": spec,
+            "manifest": d.manifest,
+        }
 
 
 def test_engine_reports_the_mla_layout(deployment: dict[str, Any]) -> None:

@@ -17,22 +17,13 @@ import ray
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, Role
-from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants, train_step
+from sync_runtime.demo.cluster import train_step
 from sync_runtime.errors import TopologyMismatchError
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import check_side, gather
 from sync_runtime.schema.report import NullReporter, SyncResult
 from tests.support import vllm_faults
-from tests.support.vllm_deploy import (
-    CONFIGS,
-    destination_ref,
-    generations,
-    rows_equal,
-    start_replica,
-    stop_replicas,
-    sync_spec,
-    write_model,
-)
+from tests.support.vllm_deploy import CONFIGS, deploy, destination_ref, generations, rows_equal, sync_spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 NS = "vllm-dense"
@@ -41,35 +32,34 @@ DST = ParallelSpec.parse("tp=1,replicas=2")
 
 @pytest.fixture(scope="module")
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    config = CONFIGS["qwen3"]
-    manifest = build_manifest(config)
-    ref_dir = write_model(tmp_path_factory.mktemp("qwen3") / "v2", config, manifest, seed=0, version="v2")
-    setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=2", DST, namespace=NS, seed=0)
-    replicas = [
-        start_replica(f"infer-r{k}", NS, ref_dir, tp=1, replica=k, extension=vllm_faults.EXTENSION)
-        for k in range(2)
-    ]
-    reference = start_replica("reference", NS, ref_dir, tp=1, load_format="auto")
-    try:
-        create_participants(
-            setup, src_version="v1", dst_version="-", skip=lambda c: c.role is Role.DESTINATION
-        )
-        ray.get([h.ws_num_ranks.remote() for h in [*replicas, reference]], timeout=500)
-        ref_gen = generations([reference])[0]
-        stop_replicas([reference])
+    ext = vllm_faults.EXTENSION
+    engines = {f"r{k}": (f"infer-r{k}", {"tp": 1, "replica": k, "extension": ext}) for k in range(2)}
+    with deploy(
+        "qwen3",
+        tmp_path_factory.mktemp("qwen3") / "v2",
+        src="tp=2",
+        dst=DST,
+        namespace=NS,
+        engines=engines,
+        references={"ref": ("reference", {"tp": 1})},
+        version="v2",  # the oracle holds v2; the sources start at v1 and train a step to v2
+    ) as d:
         spec = sync_spec(
-            setup.model,
+            d.setup.model,
             NS,
-            setup.src,
+            d.setup.src,
             [destination_ref("inference", NS, "infer-", DST)],
             "v1",
             bucket_mb=1,
             staging_budget_mb=2,
         )
-        yield {"setup": setup, "replicas": replicas, "ref_v2": ref_gen, "spec": spec, "manifest": manifest}
-    finally:
-        stop_replicas(replicas)
-        kill_participants(setup)
+        yield {
+            "setup": d.setup,
+            "replicas": list(d.engines.values()),
+            "ref_v2": d.reference_calls[0]["ref"],
+            "spec": spec,
+            "manifest": d.manifest,
+        }
 
 
 def test_engine_reports_the_layouts_tensors(deployment: dict[str, Any]) -> None:

@@ -22,23 +22,13 @@ import pytest
 import ray
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest
-from sync_runtime.core.topology import ParallelSpec, Role
-from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants, train_step
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.demo.cluster import train_step
 from sync_runtime.demo.weights import bits_to_torch, shard_arrays
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
-from tests.support.vllm_deploy import (
-    CONFIGS,
-    destination_ref,
-    generations,
-    rows_equal,
-    start_replica,
-    stop_replicas,
-    sync_spec,
-    write_model,
-)
+from tests.support.vllm_deploy import deploy, destination_ref, generations, rows_equal, sync_spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-moe"
@@ -47,38 +37,26 @@ TP, EP = ParallelSpec.parse("tp=2"), ParallelSpec.parse("tp=2,ep=2")
 
 @pytest.fixture(scope="module")
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    config = CONFIGS["qwen3_moe"]
-    manifest = build_manifest(config)
-    ref_dir = write_model(tmp_path_factory.mktemp("qwen3moe") / "v1", config, manifest, seed=0, version="v1")
-    # nkv=1: a Megatron source cannot split it over TP; experts are cut over DP (EP=2) instead
-    setup = DemoSetup.create(f"{ref_dir}/config.json", "dp=2,ep=2", TP, namespace=NS, seed=0)
-    engines = {
-        "tp": start_replica("moe-tp-r0", NS, ref_dir, tp=2),
-        "ep": start_replica("moe-ep-r0", NS, ref_dir, tp=2, ep=True),
-    }
-    refs = {"tp": start_replica("ref-tp", NS, ref_dir, tp=2, load_format="auto")}
-    try:
-        create_participants(
-            setup, src_version="v1", dst_version="-", skip=lambda c: c.role is Role.DESTINATION
-        )
-        ray.get([h.ws_num_ranks.remote() for h in [*engines.values(), *refs.values()]], timeout=800)
-        # Two generate calls each, like the destinations (dummy, then synced): like with like.
-        first = dict(zip(refs, generations(list(refs.values())), strict=True))
-        second = dict(zip(refs, generations(list(refs.values())), strict=True))
-        stop_replicas(list(refs.values()))
+    with deploy(
+        "qwen3_moe",
+        tmp_path_factory.mktemp("qwen3moe") / "v1",
+        # nkv=1: a Megatron source cannot split it over TP; experts are cut over DP (EP=2) instead
+        src="dp=2,ep=2",
+        dst=TP,
+        namespace=NS,
+        engines={"tp": ("moe-tp-r0", {"tp": 2}), "ep": ("moe-ep-r0", {"tp": 2, "ep": True})},
+        references={"tp": ("ref-tp", {"tp": 2})},
+        reference_calls=2,  # two generate calls, like the destinations (dummy, then synced)
+    ) as d:
         dsts = [destination_ref("moe-tp", NS, "moe-tp-", TP), destination_ref("moe-ep", NS, "moe-ep-", EP)]
-        spec = sync_spec(setup.model, NS, setup.src, dsts, "v1")
         yield {
-            "setup": setup,
-            "engines": engines,
-            "ref": second,
-            "ref_first": first,
-            "spec": spec,
-            "manifest": manifest,
+            "setup": d.setup,
+            "engines": d.engines,
+            "ref": d.reference_calls[1],
+            "ref_first": d.reference_calls[0],
+            "spec": sync_spec(d.setup.model, NS, d.setup.src, dsts, "v1"),
+            "manifest": d.manifest,
         }
-    finally:
-        stop_replicas([*engines.values(), *refs.values()])
-        kill_participants(setup)
 
 
 def test_engines_report_the_layouts_expert_shards(deployment: dict[str, Any]) -> None:

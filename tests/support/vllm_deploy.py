@@ -7,11 +7,19 @@ Runs only under the engine environment (tools/vllm_env.sh); imported by tests/en
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.models import build_manifest
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.demo import vllm_deploy as _deploy
+from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants
 from sync_runtime.demo.vllm_deploy import (
+    Generation,
     destination_ref,
     generations,
     rows_equal,
@@ -28,6 +36,8 @@ __all__ = [
     "MAX_TOKENS",
     "PROMPTS",
     "ROOT",
+    "Deployment",
+    "deploy",
     "destination_ref",
     "engine_env",
     "generations",
@@ -46,3 +56,60 @@ def engine_env(tp: int) -> dict[str, str]:
 
 def start_replica(name: str, namespace: str, model_dir: str, *, tp: int, **kw: Any) -> Any:
     return _deploy.start_replica(name, namespace, model_dir, tp=tp, env=engine_env(tp), **kw)
+
+
+@dataclass
+class Deployment:
+    """What `deploy` set up: the sources, the dummy engines, the references' generations."""
+
+    setup: DemoSetup
+    manifest: Manifest
+    engines: dict[str, Any]
+    reference_calls: list[dict[str, Generation]]
+    """One entry per generate call of the reference engines (by key), in call order."""
+
+
+EngineArgs = tuple[str, dict[str, Any]]
+"""(actor name, start_replica keyword arguments)."""
+
+
+def _destinations(c: RankCoord) -> bool:
+    return c.role is Role.DESTINATION  # the engines are the destinations: no demo actors for them
+
+
+@contextlib.contextmanager
+def deploy(
+    model: str,
+    directory: Path,
+    *,
+    src: str,
+    dst: ParallelSpec,
+    namespace: str,
+    engines: Mapping[str, EngineArgs],
+    references: Mapping[str, EngineArgs],
+    reference_calls: int = 1,
+    version: str = "v1",
+) -> Iterator[Deployment]:
+    """Sources at v1 holding `model` (a CONFIGS key), dummy-weight engines, and reference engines
+    loaded from the checkpoint of `version`; the references generate `reference_calls` times and
+    are stopped before the body runs. Everything is stopped afterwards."""
+    config = CONFIGS[model]
+    manifest = build_manifest(config)
+    ref_dir = write_model(directory, config, manifest, seed=0, version=version)
+    setup = DemoSetup.create(f"{ref_dir}/config.json", src, dst, namespace=namespace, seed=0)
+    started = {k: start_replica(name, namespace, ref_dir, **kw) for k, (name, kw) in engines.items()}
+    refs = {
+        k: start_replica(name, namespace, ref_dir, load_format="auto", **kw)
+        for k, (name, kw) in references.items()
+    }
+    try:
+        create_participants(setup, src_version="v1", dst_version="-", skip=_destinations)
+        wait_ready([*started.values(), *refs.values()], timeout_s=800)
+        calls = [
+            dict(zip(refs, generations(list(refs.values())), strict=True)) for _ in range(reference_calls)
+        ]
+        stop_replicas(list(refs.values()))
+        yield Deployment(setup, manifest, started, calls)
+    finally:
+        stop_replicas([*started.values(), *refs.values()])
+        kill_participants(setup)
