@@ -110,12 +110,43 @@ def test_wrong_shape_and_dtype_named():
     tensors = list(ps[1].meta.tensors)
     t0 = tensors[0]
     tensors[0] = LocalTensorMeta(name=t0.name, shape=(t0.shape[0] + 1, *t0.shape[1:]), dtype=t0.dtype)
-    tensors[1] = dataclasses.replace(tensors[1], dtype="float32")
+    tensors[1] = dataclasses.replace(tensors[1], dtype="int32")  # no cast between int and float
     ps[1] = _with_meta(ps[1], tensors=tuple(tensors))
     msg = _refused(_ref("vllm", tp=2, ep=2, replicas=2), Role.DESTINATION, ps)
     assert f"tensor {t0.name} has shape [{t0.shape[0] + 1}, " in msg and "manifest says" in msg
-    assert f"tensor {tensors[1].name} has dtype float32, manifest says bfloat16" in msg
+    assert f"tensor {tensors[1].name} has dtype int32, manifest says bfloat16: no cast is defined" in msg
     assert "rank replica=0,pp=0,tp=1 (actor p-1)" in msg
+
+
+def test_destination_float_dtypes_become_casts_other_pairs_are_refused():
+    ps = _participants("vllm", DST, Role.DESTINATION)
+    norm = "model.layers.0.input_layernorm.weight"  # canonical and vLLM name agree
+    fused = "model.layers.0.self_attn.qkv_proj.weight"  # q, k and v: three canonical tensors
+    changed = {norm: "float32", fused: "float16"}
+    tensors = tuple(dataclasses.replace(t, dtype=changed.get(t.name, t.dtype)) for t in ps[0].meta.tensors)
+    ps[0] = _with_meta(ps[0], tensors=tensors)
+    side = check_side(_ref("vllm", tp=2, ep=2, replicas=2), Role.DESTINATION, ps, MANIFEST)
+    qkv = {f"model.layers.0.self_attn.{x}_proj.weight": "bfloat16" for x in "qkv"}
+    assert dict(side.participants[0].wire_dtypes) == {norm: "bfloat16", **qkv}
+    assert all(p.wire_dtypes == () for p in side.participants[1:])
+    # fp8 on a destination is not a float cast; an integer tensor is none either
+    ps[1] = _with_meta(
+        ps[1], tensors=tuple(dataclasses.replace(t, dtype="float8_e4m3fn") for t in ps[1].meta.tensors)
+    )
+    msg = _refused(_ref("vllm", tp=2, ep=2, replicas=2), Role.DESTINATION, ps)
+    assert (
+        f"rank replica=0,pp=0,tp=1 (actor p-1): tensor {norm} has dtype float8_e4m3fn, manifest says" in msg
+    )
+
+
+def test_source_dtype_differing_from_the_manifest_is_refused():
+    # The manifest's dtype is the wire's: a source sends its own bytes and never casts.
+    ps = _participants("megatron", SRC, Role.SOURCE)
+    name = ps[0].meta.tensors[0].name
+    tensors = (dataclasses.replace(ps[0].meta.tensors[0], dtype="float32"), *ps[0].meta.tensors[1:])
+    ps[0] = _with_meta(ps[0], tensors=tensors)
+    msg = _refused(_ref("megatron", tp=2, pp=2, ep=2), Role.SOURCE, ps)
+    assert f"tensor {name} has dtype float32, manifest says bfloat16 (a source sends its own bytes" in msg
 
 
 def test_wrong_role_layout_and_expert_rank_named():

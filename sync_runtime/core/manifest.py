@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+CASTABLE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")
+"""Dtypes a destination may hold a tensor in when the wire carries another of them: the receiving
+rank casts once (round to nearest even; widening is exact). FP8, integers and bool are never cast:
+their values are scaled or exact codes, not numbers a rounding may change."""
+
+
+def cast_defined(wire: str, destination: str) -> bool:
+    """True when a destination holding `destination` may receive `wire` bytes (equal, or both castable)."""
+    return wire == destination or (wire in CASTABLE_DTYPES and destination in CASTABLE_DTYPES)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,9 +34,11 @@ class EngineTensor:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    """The dtype the rank accepts on the wire (what it reports to discovery)."""
+    """The dtype the rank reports to discovery (the checkpoint's: a wire carrying another float
+    dtype makes discovery hand the rank a cast)."""
     live_dtype: str
-    """The dtype of the parameter it lands in (a lossless widening may happen at commit)."""
+    """The dtype of the parameter it lands in, and of its staging buffer: the one cast, if any,
+    happens on receipt (transfer/buffers.py), never at commit."""
 
 
 def require_supported_vllm() -> str:
@@ -61,8 +63,9 @@ def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str
     Parameters with restore metadata are reported with their logical shard shape (live CPU
     linears are shape [0] after repacking). Parameters vLLM never moves to meta and loads by
     plain copy (`e_score_correction_bias`, fp32 in vLLM) are reported with their live shape; a
-    float32 one accepts the checkpoint dtype on the wire, as vLLM's loader does (bf16 -> fp32 is
-    exact). Derived tensors (MLA W_UV/W_UK_T: no metadata) and alias paths of the same
+    float32 one is reported in the checkpoint dtype, as vLLM's loader accepts it, and staged in
+    fp32 (a bf16 wire is widened exactly on receipt; an fp32 wire, e.g. Megatron's fp32
+    `expert_bias`, arrives unchanged). Derived tensors (MLA W_UV/W_UK_T: no metadata) and alias paths of the same
     Parameter (tied lm_head, the experts' view of the gate bias) are not reported.
     """
     require_supported_vllm()
@@ -171,7 +174,7 @@ def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch
         if dst is None:
             raise DestinationError(f"{mname}.{pname}: no such tensor", tensor=f"{mname}.{pname}")
         # 6: SKIP_TENSORS (e_score_correction_bias) stay live and are written here in place;
-        # copy_ widens bf16 -> fp32 exactly, like vLLM's default loader.
+        # staging already holds the live dtype (the cast happened on receipt).
         dst.data.copy_(src)
     if hasattr(layer, "_already_called_process_weights_after_loading"):
         delattr(layer, "_already_called_process_weights_after_loading")

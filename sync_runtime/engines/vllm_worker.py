@@ -47,9 +47,12 @@ class VllmStaging:
 
     `tensors` are meta tensors (shape and wire dtype only, no memory): the live weights are in
     vLLM's kernel layouts (CPU linears repacked to shape [0], MoE experts prepacked) and are never
-    read or written by the transfer. `staged` hands out host buffers, one per tensor; `commit`
-    validates them all, then applies them in one pass; `abort` drops them and leaves the engine
-    as it was. `checksums` are those of the bytes last committed (what the rank holds).
+    read or written by the transfer. `staged` hands out host buffers, one per tensor, in the
+    dtype of the parameter each lands in (`live_dtype`: an fp32 `e_score_correction_bias` is
+    staged in fp32, so an fp32 source's bytes arrive exactly and a bf16 one's are widened once, on
+    receipt); `commit` validates them all, then applies them in one pass; `abort` drops them and
+    leaves the engine as it was. `checksums` are those of the bytes last committed, in the staged
+    (live) dtype: what the rank holds.
     """
 
     def __init__(self, expected: Mapping[str, EngineTensor], apply: Applier, version: str = "") -> None:
@@ -60,6 +63,7 @@ class VllmStaging:
         self._meta = {
             n: torch.empty(t.shape, dtype=getattr(torch, t.dtype), device="meta") for n, t in expected.items()
         }
+        self._staging_dtype = {n: getattr(torch, t.live_dtype) for n, t in expected.items()}
         self._apply = apply
         self._committed_sums: dict[str, str] = {}
         self._staged: dict[str, torch.Tensor] | None = None
@@ -101,7 +105,7 @@ class VllmStaging:
                 if meta is None:
                     raise StagingError(f"the engine holds no tensor {name!r}", tensor=name)
                 make = torch.empty if fully_written else torch.zeros  # zeros: vocab padding rows
-                buf = make(meta.shape, dtype=meta.dtype, device="cpu")
+                buf = make(meta.shape, dtype=self._staging_dtype[name], device="cpu")
                 self._staged[name] = buf
             return buf
 

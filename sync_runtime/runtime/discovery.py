@@ -4,6 +4,13 @@ what each reports, and check it against the declared parallelism and the manifes
 Names only select candidates; identity comes from the coordinates each participant reports.
 Every mismatch is found before a byte moves and reported together, each line naming the rank
 and what differs (missing/duplicate rank, wrong TP/PP/DP/replica size, tensor shape or dtype).
+
+Dtypes: the manifest's dtype of a canonical tensor is its wire dtype, the source's own: a source
+rank holding a tensor in another dtype is refused (it sends its bytes unchanged). A destination
+rank may hold a tensor in another dtype when a cast is defined (float32/bfloat16/float16 among
+themselves, `core.manifest.cast_defined`); it then gets `Participant.wire_dtypes`, handed to the
+rank with its program (`TransferConfig.wire_dtypes`), and casts on receipt. Any other difference
+(an integer or fp8 tensor on one side) is refused, naming tensor and rank (docs/dtypes.md).
 """
 
 from __future__ import annotations
@@ -12,14 +19,14 @@ import dataclasses
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.manifest import Manifest, cast_defined
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError, describe_unexpected
@@ -38,6 +45,9 @@ class Participant:
     name: str
     namespace: str
     meta: ParticipantMeta
+    wire_dtypes: tuple[tuple[str, str], ...] = ()
+    """Destination: (canonical tensor, wire dtype) for each tensor it holds in another dtype (the
+    rank casts on receipt); set by `check_side`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,13 +165,16 @@ def check_side(
     for key, p in by_key.items():
         if key not in expected:
             problems.append(f"unexpected rank {rank_label(p.meta.coord)} (actor {p.name})")
+    casts: dict[tuple, tuple[tuple[str, str], ...]] = {}
+    wire = {t.name: t.dtype for t in manifest.tensors}
     for key, want in expected.items():
         # Shapes are only meaningful for a rank that sits where it should, under the right layout.
         if key in by_key and by_key[key].meta.layout == ref.layout:
-            problems += _rank_problems(ref, spec, manifest, by_key[key], want)
+            rank_problems, casts[key] = _rank_problems(ref, spec, manifest, wire, by_key[key], want)
+            problems += rank_problems
     if problems:
         raise TopologyMismatchError(_format(ref, spec, problems))
-    ordered = tuple(by_key[key] for key in expected)
+    ordered = tuple(dataclasses.replace(by_key[key], wire_dtypes=casts.get(key, ())) for key in expected)
     return DiscoveredSide(ref=ref, role=role, spec=spec, participants=ordered)
 
 
@@ -200,9 +213,11 @@ def _rank_problems(
     ref: DeploymentRef,
     spec: ParallelSpec,
     manifest: Manifest,
+    wire: Mapping[str, str],
     p: Participant,
     want: RankCoord,
-) -> list[str]:
+) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+    """What differs at one rank, and the casts a destination rank needs (canonical, wire dtype)."""
     got, label = p.meta.coord, f"rank {rank_label(p.meta.coord)} (actor {p.name})"
     problems = [
         f"{label}: {attr}={getattr(got, attr)}, expected {getattr(want, attr)}"
@@ -222,9 +237,32 @@ def _rank_problems(
             problems.append(
                 f"{label}: tensor {name} has shape {list(r.shape)}, manifest says {list(e.shape)}"
             )
-        elif e.dtype != r.dtype:
-            problems.append(f"{label}: tensor {name} has dtype {r.dtype}, manifest says {e.dtype}")
-    return problems
+    casts: dict[str, str] = {}
+    for piece in shard.pieces:  # per canonical tensor: a fused local tensor may hold several
+        r = reported.get(piece.local_name)
+        if r is None or wire[piece.tensor] == r.dtype:
+            continue
+        problem = _dtype_problem(p.meta.role, piece.local_name, r.dtype, wire[piece.tensor])
+        if problem is None:
+            casts[piece.tensor] = wire[piece.tensor]
+        elif f"{label}: {problem}" not in problems:
+            problems.append(f"{label}: {problem}")
+    return problems, tuple(sorted(casts.items()))
+
+
+def _dtype_problem(role: Role, name: str, held: str, wire: str) -> str | None:
+    """Why a rank holding `name` as `held` cannot take part when the wire carries `wire` (None: it can)."""
+    if role is Role.SOURCE:
+        return (
+            f"tensor {name} has dtype {held}, manifest says {wire} (a source sends its own bytes: the "
+            "manifest's dtype must be the source's; set weightsync_tensor_dtypes, or leave spec.model unset)"
+        )
+    if cast_defined(wire, held):
+        return None
+    return (
+        f"tensor {name} has dtype {held}, manifest says {wire}: no cast is defined between them "
+        "(a destination may differ only among float32, bfloat16 and float16)"
+    )
 
 
 def _format(ref: DeploymentRef, spec: ParallelSpec, problems: list[str]) -> str:

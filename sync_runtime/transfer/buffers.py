@@ -13,6 +13,13 @@ Receiver checksums: a region received in place is checksummed in staging (catche
 message and a wrong placement); a strided region is checksummed in the bounce buffer it arrived
 in, then copied (re-reading it from staging would cost a second copy); a small packed transfer
 is checksummed in staging after the unpack, as before.
+
+Dtypes: the wire carries every transfer's elements in its wire dtype (the manifest's, which is
+the source's own; `wire` says it per transfer). A receiver whose staging holds the tensor in
+another dtype casts once, on receipt: the message lands in a wire-dtype buffer (never in place:
+staging has other bytes per element), its checksum is taken there over the wire bytes, then it
+is copied into staging with `copy_` (the cast). A relay forwarding a tensor it stages in another
+dtype casts it back to the wire dtype when packing (docs/dtypes.md).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from sync_runtime.transfer.checksum import checksum_bytes, checksum_tensor
 
 ALIGN = 16
 TensorLookup = Callable[[str], torch.Tensor]
+DtypeOf = Callable[[Transfer], torch.dtype]
+"""The dtype a transfer's elements travel in."""
 
 
 def box_slices(box: Box) -> tuple[slice, ...]:
@@ -75,8 +84,8 @@ def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def _typed(buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return buf.view(like.dtype).view(like.shape)
+def _typed(buf: torch.Tensor, dtype: torch.dtype, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    return buf.view(dtype).view(shape)
 
 
 def _get(pool: BufferPool | None, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -102,11 +111,14 @@ def pack_bucket(
     device: torch.device,
     pool: BufferPool | None = None,
     direct_min_bytes: int = 0,
+    wire: DtypeOf | None = None,
 ) -> Outgoing:
     """Build a bucket's messages and write every transfer's checksum into the tail's header.
 
     A checksum is taken on the bytes as they will travel: the source region itself when it is
     contiguous, else the packed copy (the region's elements in row-major order either way).
+    `wire`: the dtype each transfer travels in, where it may differ from the tensor's (a relay's
+    staging); None: the tensors' own dtypes.
     """
     layout = message_layout(bucket, direct_min_bytes)
     out = Outgoing([], [])
@@ -114,11 +126,12 @@ def pack_bucket(
     for i in layout.direct:
         t = bucket.transfers[i]
         region = source(t.src_name)[box_slices(t.src_box)]
-        if region.is_contiguous() and region.device == device:
+        dtype = region.dtype if wire is None else wire(t)
+        if region.is_contiguous() and region.device == device and region.dtype == dtype:
             msg, pooled = flat_bytes(region), False
         else:
             msg, pooled = _get(pool, t.nbytes, device), True
-            _typed(msg, region).copy_(region)
+            _typed(msg, dtype, region.shape).copy_(region)
         sums[i] = checksum_bytes(msg)
         out.messages.append(msg)
         out.pooled.append(pooled)
@@ -127,7 +140,8 @@ def pack_bucket(
         t = bucket.transfers[i]
         src = source(t.src_name)
         piece = tail[off : off + t.nbytes]
-        piece.view(src.dtype).view(box_shape(t.src_box)).copy_(src[box_slices(t.src_box)])
+        dtype = src.dtype if wire is None else wire(t)
+        _typed(piece, dtype, box_shape(t.src_box)).copy_(src[box_slices(t.src_box)])
         sums[i] = checksum_bytes(piece)
     tail[layout.header_offset :].view(torch.int64).copy_(torch.tensor(sums, dtype=torch.int64))
     out.messages.append(tail)
@@ -147,6 +161,8 @@ class Incoming:
     pooled: list[bool]
     sums: list[int | None] = field(default_factory=list)
     landed: int = 0
+    wire: list[torch.dtype | None] = field(default_factory=list)
+    """Wire dtype of each transfer (None: the staged tensor's own, no cast)."""
 
     @property
     def complete(self) -> bool:
@@ -154,16 +170,27 @@ class Incoming:
 
 
 def receive_bucket(
-    bucket: Bucket, staged: TensorLookup, device: torch.device, pool: BufferPool, direct_min_bytes: int = 0
+    bucket: Bucket,
+    staged: TensorLookup,
+    device: torch.device,
+    pool: BufferPool,
+    direct_min_bytes: int = 0,
+    wire: DtypeOf | None = None,
 ) -> Incoming:
-    """Receive buffers for a bucket: staging views where the staged region is contiguous."""
+    """Receive buffers for a bucket: staging views where the staged region is contiguous and
+    holds the wire dtype (`wire`: per transfer; None: every staged tensor holds it)."""
     layout = message_layout(bucket, direct_min_bytes)
     inc = Incoming(bucket, layout, [], [], [], [None] * len(bucket.transfers))
+    if wire is not None:
+        for t in bucket.transfers:
+            dtype = wire(t)
+            inc.wire.append(None if dtype == staged(t.dst_name).dtype else dtype)
     for i in layout.direct:
         t = bucket.transfers[i]
         region = staged(t.dst_name)[box_slices(t.dst_box)]
         inc.regions.append(region)
-        in_place = region.is_contiguous() and region.device == device
+        cast = wire is not None and inc.wire[i] is not None
+        in_place = region.is_contiguous() and region.device == device and not cast
         inc.messages.append(flat_bytes(region) if in_place else pool.get(t.nbytes, device))
         inc.pooled.append(not in_place)
     inc.messages.append(pool.get(layout.tail_nbytes, device))
@@ -177,18 +204,29 @@ def land(inc: Incoming, m: int, staged: TensorLookup) -> None:
     layout, transfers = inc.layout, inc.bucket.transfers
     if m < len(layout.direct):
         msg = inc.messages[m]
-        inc.sums[layout.direct[m]] = checksum_bytes(msg)
+        inc.sums[layout.direct[m]] = checksum_bytes(msg)  # the wire bytes, before any cast
         if inc.pooled[m]:
             region = inc.regions[m]
-            region.copy_(_typed(msg, region))
+            region.copy_(_typed(msg, _wire_of(inc, layout.direct[m]) or region.dtype, region.shape))
         return
     tail = inc.messages[m]
     for i, off in zip(layout.packed, layout.offsets, strict=True):
         t = transfers[i]
         dst = staged(t.dst_name)
         region = dst[box_slices(t.dst_box)]
-        region.copy_(tail[off : off + t.nbytes].view(dst.dtype).view(box_shape(t.dst_box)))
-        inc.sums[i] = checksum_tensor(region)
+        piece = tail[off : off + t.nbytes]
+        cast = _wire_of(inc, i)
+        if cast is None:
+            region.copy_(_typed(piece, dst.dtype, box_shape(t.dst_box)))
+            inc.sums[i] = checksum_tensor(region)  # in staging: also catches a wrong placement
+        else:
+            inc.sums[i] = checksum_bytes(piece)  # staging holds other bytes: check the wire's
+            region.copy_(_typed(piece, cast, box_shape(t.dst_box)))
+
+
+def _wire_of(inc: Incoming, i: int) -> torch.dtype | None:
+    """The wire dtype of transfer `i` when it differs from its staging (a cast), else None."""
+    return inc.wire[i] if inc.wire else None
 
 
 def bad_transfers(inc: Incoming) -> list[Transfer]:
@@ -198,10 +236,15 @@ def bad_transfers(inc: Incoming) -> list[Transfer]:
 
 
 def unpack_bucket(
-    bucket: Bucket, out: Outgoing, staged: TensorLookup, device: torch.device, direct_min_bytes: int = 0
+    bucket: Bucket,
+    out: Outgoing,
+    staged: TensorLookup,
+    device: torch.device,
+    direct_min_bytes: int = 0,
+    wire: DtypeOf | None = None,
 ) -> list[Transfer]:
     """In-process round trip of `pack_bucket`'s messages into staging (tests); the bad transfers."""
-    inc = receive_bucket(bucket, staged, device, BufferPool(), direct_min_bytes)
+    inc = receive_bucket(bucket, staged, device, BufferPool(), direct_min_bytes, wire)
     for m, (dst, src) in enumerate(zip(inc.messages, out.messages, strict=True)):
         dst.copy_(src)
         land(inc, m, staged)

@@ -31,6 +31,12 @@ class TransferConfig:
     """Destination staging policy (`host`, `device`, `inplace`; see staging.py)."""
     snapshot: bool = False
     """Source: copy the shards to host memory first, so the trainer may step during the sync."""
+    wire_dtypes: tuple[tuple[str, str], ...] = ()
+    """Destination: (canonical tensor, wire dtype) for each tensor this rank holds in another dtype
+    than the one it travels in (the manifest's, i.e. the source's). The rank receives those bytes
+    into a wire-dtype buffer, verifies their checksum, and casts once into its staging. Filled by
+    the runtime from discovery (runtime/discovery.py); empty when every dtype agrees. Local to the
+    receiver: senders and the plan never see it (docs/dtypes.md)."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):

@@ -45,6 +45,7 @@ from sync_runtime.transfer.buffers import (
     receive_bucket,
 )
 from sync_runtime.transfer.config import RankResult, TransferConfig
+from sync_runtime.transfer.dtypes import WireDtypes
 from sync_runtime.transfer.fence import check_fence, fingerprint
 from sync_runtime.transfer.group import SyncGroup, peer_failed
 from sync_runtime.transfer.staging import Staging, tiles_exactly
@@ -99,6 +100,7 @@ class _Executor:
     on_progress: ProgressFn | None
     hooks: EngineHooks | None
     device: torch.device = field(init=False)
+    wire: WireDtypes = field(init=False)  # per transfer, the dtype its bytes travel in (dtypes.py)
     waiter: MessageWaiter | None = None
     where: str = "before round 0"
     """What the rank was doing, for errors that do not say it themselves."""
@@ -108,6 +110,7 @@ class _Executor:
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.config.device)
+        self.wire = WireDtypes(self.config.wire_dtypes, self.sources, self.destination)
         self.total_bytes = sum(b.nbytes for r in (*self.plan.sends, *self.plan.recvs) for b in r)
 
     def run(self) -> None:
@@ -157,7 +160,8 @@ class _Executor:
 
     def _pack(self, round_index: int, j: int, bucket: Bucket) -> Outgoing:
         self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
-        out = pack_bucket(bucket, self._source, self.device, self.group.buffers, self.config.direct_min_bytes)
+        cfg, pool = self.config, self.group.buffers
+        out = pack_bucket(bucket, self._source, self.device, pool, cfg.direct_min_bytes, self.wire.send)
         if self.hooks is not None and self.hooks.after_pack is not None:
             self.hooks.after_pack(round_index, bucket, out.tail)
         return out
@@ -181,7 +185,7 @@ class _Executor:
         recvs = []
         for j, b in enumerate(recv_buckets):
             inc = receive_bucket(
-                b, self._staged, self.device, self.group.buffers, self.config.direct_min_bytes
+                b, self._staged, self.device, self.group.buffers, self.config.direct_min_bytes, self.wire.recv
             )
             flight.incoming[j] = inc
             for m, buf in enumerate(inc.messages):

@@ -1,5 +1,9 @@
 """Check a rank's plan against the tensors it really holds, and its group and staging, before the
-first byte moves."""
+first byte moves.
+
+Byte counts are checked in the wire dtype (the plan sizes transfers from the manifest, whose
+dtype is the source's); a destination holding a tensor in another dtype must be able to cast to
+it (`cast_defined`: float to float). Shapes are checked against the tensors themselves."""
 
 from __future__ import annotations
 
@@ -8,9 +12,11 @@ from collections.abc import Mapping
 import torch
 
 from sync_runtime.core.layouts.base import Box, box_numel
+from sync_runtime.core.manifest import cast_defined
 from sync_runtime.core.plan import RankPlan, Transfer
 from sync_runtime.errors import ConnectError, PlanMismatchError, StagingError
 from sync_runtime.transfer.config import TransferConfig
+from sync_runtime.transfer.dtypes import WireDtypes
 from sync_runtime.transfer.group import SyncGroup
 from sync_runtime.transfer.staging import Staging
 
@@ -26,7 +32,16 @@ def send_source(
     return None
 
 
-def _check_box(rank: int, side: str, t: Transfer, name: str, box: Box, tensor: torch.Tensor | None) -> None:
+def _check_box(
+    rank: int,
+    side: str,
+    t: Transfer,
+    name: str,
+    box: Box,
+    tensor: torch.Tensor | None,
+    wire: torch.dtype | None = None,
+) -> None:
+    """`wire`: the dtype the bytes travel in when it is not `tensor`'s (a destination that casts)."""
     where = f"rank {rank}: {side} tensor {name!r} (canonical {t.tensor!r}) box {list(box)}"
 
     def mismatch(problem: str) -> PlanMismatchError:
@@ -40,25 +55,37 @@ def _check_box(rank: int, side: str, t: Transfer, name: str, box: Box, tensor: t
     for dim, ((start, stop), size) in enumerate(zip(box, shape, strict=True)):
         if not 0 <= start <= stop <= size:
             raise mismatch(f"dim {dim} range [{start}, {stop}) outside local shape {shape}")
-    nbytes = box_numel(box) * tensor.element_size()
+    wire = tensor.dtype if wire is None else wire
+    if not cast_defined(_name(wire), _name(tensor.dtype)):
+        raise mismatch(f"the wire carries {_name(wire)}, this rank holds {_name(tensor.dtype)}: no cast")
+    nbytes = box_numel(box) * wire.itemsize
     if nbytes != t.nbytes:
         raise mismatch(
-            f"{box_numel(box)} elements of {tensor.dtype} are {nbytes} bytes, "
+            f"{box_numel(box)} elements of {wire} are {nbytes} bytes, "
             f"the plan moves {t.nbytes} (dtype disagrees with the manifest)"
         )
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def verify_plan_against_tensors(
     plan: RankPlan,
     sources: Mapping[str, torch.Tensor] | None,
     destination: Staging | None,
+    wire_dtypes: tuple[tuple[str, str], ...] = (),
 ) -> None:
-    """Raise PlanMismatchError naming rank, tensor, box and shape if any box does not fit."""
+    """Raise PlanMismatchError naming rank, tensor, box and shape if any box does not fit.
+    `wire_dtypes`: the destination's casts (`TransferConfig.wire_dtypes`)."""
+    casts = WireDtypes(wire_dtypes, sources, destination).casts
     for round_sends in plan.sends:
         for bucket in round_sends:
             for t in bucket.transfers:
                 src = send_source(t.src_name, sources, destination)
-                _check_box(plan.rank, "source", t, t.src_name, t.src_box, src)
+                relayed = sources is None or t.src_name not in sources  # forwarded in the wire dtype
+                wire = casts.get(t.tensor) if relayed else None
+                _check_box(plan.rank, "source", t, t.src_name, t.src_box, src, wire)
     for round_recvs in plan.recvs:
         for bucket in round_recvs:
             for t in bucket.transfers:
@@ -69,9 +96,8 @@ def verify_plan_against_tensors(
                         rank=plan.rank,
                         tensor=t.tensor,
                     )
-                _check_box(
-                    plan.rank, "destination", t, t.dst_name, t.dst_box, destination.tensors.get(t.dst_name)
-                )
+                held = destination.tensors.get(t.dst_name)
+                _check_box(plan.rank, "destination", t, t.dst_name, t.dst_box, held, casts.get(t.tensor))
 
 
 def preflight(
@@ -89,6 +115,6 @@ def preflight(
         )
     if not group.healthy:
         raise ConnectError(f"rank {rank}: group {group.name} saw a failure; close() and reconnect", rank=rank)
-    verify_plan_against_tensors(plan, sources, destination)
+    verify_plan_against_tensors(plan, sources, destination, config.wire_dtypes)
     if any(plan.recvs) and (destination is None or not destination.staging_active):
         raise StagingError(f"rank {rank}: destination.begin(version) was not called", rank=rank)
