@@ -26,6 +26,7 @@ from sync_runtime.errors import LayoutError, PlanError, TopologyError
 from sync_runtime.planner import lanes as _lanes
 from sync_runtime.planner import relay as _relay
 from sync_runtime.planner.config import PlannerConfig, SideSpec
+from sync_runtime.planner.fill import refill
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
 from sync_runtime.planner.needs import Need, NeedBuilder
 from sync_runtime.planner.program import BucketRef, CompactPrograms, PairBook
@@ -203,7 +204,8 @@ def _programs(
     """Pairs and rounds: the symmetric lane schedule where it applies and fits, else greedy."""
     if not chains and _lanes.applies(ranks, direct, config):
         book = PairBook(config.effective_bucket_bytes)
-        found = _lanes.lane_schedule(book, direct, len(ranks), config)
+        filled = refill(direct, config.effective_bucket_bytes)
+        found = _lanes.lane_schedule(book, filled, len(ranks), config)
         if found is not None:
             n_rounds, cols = found
             return CompactPrograms(book, n_rounds, [*cols, np.zeros(len(cols[0]), dtype=bool)]), "lanes"
