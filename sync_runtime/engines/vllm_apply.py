@@ -65,8 +65,8 @@ def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str
     plain copy (`e_score_correction_bias`, fp32 in vLLM) are reported with their live shape; a
     float32 one is reported in the checkpoint dtype, as vLLM's loader accepts it, and staged in
     fp32 (a bf16 wire is widened exactly on receipt; an fp32 wire, e.g. Megatron's fp32
-    `expert_bias`, arrives unchanged). Derived tensors (MLA W_UV/W_UK_T: no metadata) and alias paths of the same
-    Parameter (tied lm_head, the experts' view of the gate bias) are not reported.
+    `expert_bias`, arrives unchanged). Derived tensors (MLA W_UV/W_UK_T: no metadata) and alias
+    paths of the same Parameter (tied lm_head, the experts' view of the gate bias) are not reported.
     """
     require_supported_vllm()
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
