@@ -115,13 +115,20 @@ class MegatronDeployment:
         assert self.setup is not None
         setup = self.setup
         canon = {n: _bits(t) for n, t in reference.items()}
+        # Expected local tensors in the reference's dtypes (a test's reference may be cast to what
+        # the destinations hold), so each element's bits keep their width.
+        dtypes = {n: str(t.dtype).removeprefix("torch.") for n, t in reference.items()}
+        tensors = tuple(
+            dataclasses.replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in setup.manifest.tensors
+        )
+        manifest = dataclasses.replace(setup.manifest, tensors=tensors)
         problems = []
         participants = destination_participants(setup)
         sums = ray.get([p.handle.ws_sha256.remote() for p in participants])
         for p, got in zip(participants, sums, strict=True):
             if p.meta.version != version:
                 problems.append(f"{p.name}: version {p.meta.version!r}, expected {version!r}")
-            shard = get_layout("vllm").shard(setup.manifest, setup.dst, p.meta.coord)
+            shard = get_layout("vllm").shard(manifest, setup.dst, p.meta.coord)
             want = {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in materialize(shard, canon).items()}
             bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
             if bad:

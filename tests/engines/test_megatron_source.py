@@ -92,18 +92,34 @@ def test_mla_bf16_keeps_per_tensor_dtypes(dep: MegatronDeployment, ray_address: 
     assert reference["model.norm.weight"].dtype == torch.float32
 
 
-def test_source_dtype_differing_from_destination_is_refused_before_any_byte(
+def test_destinations_holding_other_dtypes_cast_on_receipt(dep: MegatronDeployment, ray_address: str) -> None:
+    # fp32 Megatron source; destinations hold the final norm in bf16 (narrowing) and one
+    # projection in fp16. The wire carries fp32, each destination rank casts once on receipt:
+    # its bits equal the source's `.to(dtype)` (docs/dtypes.md).
+    casts = {"model.norm.weight": "bfloat16", "model.layers.1.self_attn.o_proj.weight": "float16"}
+    dep.build(load_model_config("tiny-llama"), "tp=2", dst="tp=2", dst_dtypes=casts)
+    ray.get([h.randomize_norms.remote(5) for h in dep.trainers])  # norms of 1.0 would cast exactly
+    reference = dep.reference()
+    assert all(reference[n].dtype == torch.float32 for n in casts)
+    report = dep.sync("v1", ray_address)
+    assert report.result is SyncResult.SUCCEEDED, report.model_dump_json()
+    cast = {**reference, **{n: reference[n].to(getattr(torch, d)) for n, d in casts.items()}}
+    assert dep.verify(cast, "v1") == []
+    # Negative control: the uncast reference (or a reinterpretation of its bytes) is not what they hold.
+    problems = dep.verify(reference, "v1")
+    assert problems and all("differ from the reference" in p for p in problems), problems
+
+
+def test_an_int_destination_for_a_float_tensor_is_refused_before_any_byte(
     dep: MegatronDeployment, ray_address: str
 ) -> None:
-    # An fp32 source norm into a bf16 destination tensor: the plan moves one dtype per canonical
-    # tensor and the receiving rank does not cast (yet), so discovery refuses, naming the tensor.
-    dep.build(
-        load_model_config("tiny-llama"), "tp=2", dst="tp=2", dst_dtypes={"model.norm.weight": "bfloat16"}
-    )
+    dep.build(load_model_config("tiny-llama"), "tp=2", dst="tp=2", dst_dtypes={"model.norm.weight": "int32"})
     report = dep.sync("v1", ray_address)
     assert report.result is SyncResult.FAILED and report.moved_bytes == 0
     assert report.failure is not None and report.failure.step == "discover"
-    assert "model.norm.weight has dtype bfloat16, manifest says float32" in report.failure.message
+    msg = report.failure.message
+    assert "tensor model.norm.weight has dtype int32, manifest says float32: no cast is defined" in msg
+    assert "rank replica=0,pp=0,tp=" in msg
 
 
 def test_forward_equivalence_with_transformers(dep: MegatronDeployment) -> None:
