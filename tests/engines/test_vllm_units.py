@@ -157,3 +157,13 @@ def test_a_rank_called_alone_still_runs_and_errors_stay_per_rank() -> None:
     assert r.ws_rank_call(1, "ws_commit", ("v1",)) == 1
     with pytest.raises(DestinationError):
         r.ws_rank_call(5, "ws_commit", ("v1",))  # no such local rank
+
+
+def test_staging_buffers_have_the_live_dtype_not_the_reported_one() -> None:
+    # The fp32 router bias is reported in the checkpoint dtype (bf16) but staged in fp32: an fp32
+    # wire (Megatron's expert_bias) lands without loss, a bf16 one is widened once on receipt.
+    s, _ = _staging()
+    assert s.tensors["gate.e_score_correction_bias"].dtype == torch.bfloat16
+    s.begin("v1")
+    assert s.staged("gate.e_score_correction_bias").dtype == torch.float32
+    assert s.staged("a.weight").dtype == torch.bfloat16

@@ -1,0 +1,142 @@
+"""Real Megatron-Core sources (gloo, Ray actors) synced into a real vLLM engine, dense Qwen3.
+
+Source: four Megatron-Core 0.19.2 trainer ranks, TP2 x PP2, a bf16 model (params_dtype bf16:
+RMSNorm weights stay fp32 in Megatron, everything else bf16), tied embeddings, GQA (nh 4, nkv 2)
+with q/k norms. Destination: one vLLM 0.32 CPU engine at TP2 started with dummy weights; its
+norms are bf16, so discovery hands every vLLM rank a cast map and the rank narrows the fp32 norms
+on receipt (docs/dtypes.md). Oracle: the same vLLM configuration loaded normally from the
+reference checkpoint: the Megatron shards converted to HF tensors by their own split attributes
+(engines/megatron_convert.py), fp32 norms included, so vLLM's loader does its own fp32 -> bf16
+copy. Then one real optimizer step on Megatron and a second sync, against a second reference.
+
+Both references are made before the engines start (vLLM has no way here to reload a checkpoint
+into a running engine): the trainers step once, are exported, then rebuilt from the same seed;
+the test checks that the rebuilt model and its own step reproduce both references bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+
+from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.demo.megatron_actors import build_all, start_trainers
+from sync_runtime.demo.megatron_run import save_reference
+from sync_runtime.engines.megatron_convert import gather_full, to_hf
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.discovery import discover_all
+from sync_runtime.schema.report import NullReporter, SyncResult
+from tests.support.vllm_deploy import (
+    CONFIGS,
+    destination_ref,
+    generations,
+    rows_equal,
+    start_replica,
+    stop_replicas,
+    sync_spec,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+NS = "vllm-megatron"
+SRC, DST = "tp=2,pp=2", ParallelSpec.parse("tp=2")
+CONFIG = CONFIGS["qwen3"]
+BUILD = {"seed": 0, "dtype": "bfloat16", "init_std": 0.2}  # large init: attention is not flat
+
+
+def _reference(trainers: list[Any]) -> dict[str, torch.Tensor]:
+    return to_hf(gather_full(ray.get([h.export.remote() for h in trainers])), CONFIG)
+
+
+def _build(trainers: list[Any]) -> list[dict[str, Any]]:
+    built = build_all(trainers, CONFIG, SRC, **BUILD)
+    ray.get([h.randomize_norms.remote(3) for h in trainers])  # norms of 1.0 would hide a mix-up
+    return built
+
+
+def _model_dir(path: Path, reference: dict[str, torch.Tensor]) -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    save_reference(reference, path / "model.safetensors")
+    return str(path)
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    trainers = start_trainers(4, NS, "trainer-")
+    handles: list[Any] = []
+    try:
+        built = _build(trainers)
+        ref1 = _reference(trainers)
+        ray.get([h.step.remote("v2") for h in trainers])
+        ref2 = _reference(trainers)
+        built = _build(trainers)  # back to v1: same seed, fresh Adam
+        assert _same(_reference(trainers), ref1)
+        root = tmp_path_factory.mktemp("megatron-qwen3")
+        dirs = {v: _model_dir(root / v, r) for v, r in (("v1", ref1), ("v2", ref2))}
+        engine = start_replica("mg-r0", NS, dirs["v1"], tp=2)
+        handles = [engine, start_replica("ref-mg1", NS, dirs["v1"], tp=2, load_format="auto")]
+        ray.get([h.ws_num_ranks.remote() for h in handles], timeout=800)
+        ref_gen = {"v1": generations([handles[1]])[0]}
+        stop_replicas([handles.pop()])
+        handles.append(start_replica("ref-mg2", NS, dirs["v2"], tp=2, load_format="auto"))
+        spec = sync_spec(dirs["v1"], NS, built[0]["spec"], [destination_ref("mg", NS, "mg-", DST)], "v1")
+        yield {
+            "trainers": trainers,
+            "engine": engine,
+            "ref2_engine": handles[1],
+            "ref_gen": ref_gen,
+            "refs": {"v1": ref1, "v2": ref2},
+            "spec": spec,
+            "manifest": build_manifest(built[0]["model_config"]),  # the sources' dtypes: the wire's
+        }
+    finally:
+        stop_replicas(handles)
+        for h in trainers:
+            ray.kill(h, no_restart=True)
+
+
+def test_discovery_casts_megatrons_fp32_norms_into_vllms_bf16(deployment: dict[str, Any]) -> None:
+    manifest = deployment["manifest"]
+    dtypes = manifest.config[TENSOR_DTYPES_KEY]
+    assert dtypes["model.norm.weight"] == "float32" and dtypes["model.embed_tokens.weight"] == "bfloat16"
+    _, sides, _ = discover_all(deployment["spec"], manifest, 60)
+    norms = {n for n, d in dtypes.items() if d == "float32"}
+    assert len(norms) == 1 + 2 * 4  # final norm; per layer input, post-attention, q and k norms
+    for p in sides[1].participants:
+        assert dict(p.wire_dtypes) == dict.fromkeys(norms, "float32"), p.name
+
+
+def test_megatron_to_vllm_is_bit_identical_then_a_training_step_resyncs(deployment: dict[str, Any]) -> None:
+    engine, trainers = deployment["engine"], deployment["trainers"]
+    dummy = generations([engine])[0]
+    coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
+    try:
+        report = coordinator.sync("v1")
+        assert report.result is SyncResult.SUCCEEDED, report.failure
+        v1 = generations([engine])[0]
+        ray.get([h.step.remote("v2") for h in trainers])  # a real Adam step on the live shards
+        assert _same(_reference(trainers), deployment["refs"]["v2"])  # the step is reproducible
+        report = coordinator.sync("v2")
+        assert report.result is SyncResult.SUCCEEDED, report.failure
+        v2 = generations([engine])[0]
+    finally:
+        coordinator.close()
+    ref2_engine = deployment["ref2_engine"]
+    ray.get(ref2_engine.ws_num_ranks.remote(), timeout=800)
+    ref = {**deployment["ref_gen"], "v2": generations([ref2_engine])[0]}
+    assert v1 == ref["v1"]  # token ids and every logprob bit
+    assert v2 == ref["v2"]
+    assert rows_equal(dummy, ref["v1"]) == 0  # negative control: the dummy weights generate otherwise
+    assert rows_equal(v1, ref["v2"]) < len(v1) and ref["v1"] != ref["v2"]  # the step changed the output
+    assert ray.get(engine.weight_version.remote()) == "v2"
