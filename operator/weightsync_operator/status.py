@@ -360,9 +360,15 @@ def status_patch(status: WeightSyncStatus, current: dict[str, Any] | None) -> di
     """The merge patch that makes the stored status equal `status` (runtime excluded); None if equal.
 
     Absent fields are sent as null so the merge patch removes them (e.g. progress after a sync).
+    Inside list items (a merge patch replaces a list whole) nulls are left out instead: the API
+    server prunes them, and kopf would report every such patch as inconsistent.
     """
-    want = status.model_dump(by_alias=True, mode="json", exclude={"runtime"})
-    have = WeightSyncStatus.model_validate(current or {}).model_dump(
-        by_alias=True, mode="json", exclude={"runtime"}
-    )
+    want = _patch_form(status)
+    have = _patch_form(WeightSyncStatus.model_validate(current or {}))
     return None if want == have else want
+
+
+def _patch_form(status: WeightSyncStatus) -> dict[str, Any]:
+    out = status.model_dump(by_alias=True, mode="json", exclude={"runtime"})
+    out["replicas"] = [{k: v for k, v in r.items() if v is not None} for r in out["replicas"]]
+    return out
