@@ -59,8 +59,9 @@ class ReplicaVersion(WireModel):
 
     deployment: str
     replica: int
-    version: str | None
-    """The one version all its ranks hold; None when they disagree or are poisoned."""
+    version: str | None = None
+    """The one version all its ranks hold; None when they disagree or are poisoned. Defaulted: the
+    API server prunes a null inside status.runtime.lastReport, so a stored report lacks the key."""
     state: ReplicaState
     reason: str | None = None
     rank_versions: list[str | None] = []
