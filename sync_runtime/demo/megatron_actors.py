@@ -104,6 +104,20 @@ class MegatronTrainer(MegatronSourceParticipant):
                     if p.dim() == 1:
                         p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
 
+    def randomize_expert_bias(self, seed: int) -> int:
+        """The router's fp32 `expert_bias` buffers start at 0, which every dtype holds exactly:
+        give them values bf16 cannot hold, so a narrowed copy anywhere would show. Returns how
+        many buffers were set (same values on every rank, as `randomize_norms`)."""
+        g = torch.Generator().manual_seed(seed)
+        count = 0
+        with torch.no_grad():
+            for chunk in self.chunks:
+                for name, b in chunk.named_buffers():
+                    if name.endswith("router.expert_bias"):
+                        b.copy_(0.1 * torch.randn(b.shape, generator=g, dtype=torch.float32))
+                        count += 1
+        return count
+
     def scramble(self, name: str) -> None:
         """Negative control: reverse the rows of one live tensor in place."""
         with torch.no_grad():
