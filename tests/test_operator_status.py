@@ -310,6 +310,7 @@ def test_a_mixed_replica_is_named_in_status_and_degraded_until_repaired() -> Non
     assert conds(status)["Degraded"] == ("True", "MixedVersions")
     degraded = status.condition("Degraded")
     assert degraded is not None and "d replica 1 is Degraded (ranks on v1, v2)" in degraded.message
+    assert "sync of version v2 failed" in degraded.message  # and what failed, after the replica
     assert status.serving == "1/2"
     got = [(r.replica, r.version, r.state) for r in status.replicas]
     assert got == [(0, "v2", "Serving"), (1, None, "Degraded")]

@@ -237,10 +237,12 @@ def _degraded(x: _Facts) -> ConditionUpdate:
     if x.runtime_failed and x.live is not None:
         return ConditionUpdate(c, T, safe_reason(x.live.reason, "RuntimeFailed"), x.live.message or "")
     if x.sync_failed and not x.syncing and x.last is not None:
-        # A replica kept out of serving is the more specific (and actionable) fact than the failure.
+        # A replica kept out of serving is the more specific (and actionable) fact than the failure:
+        # it gives the reason; the message says both (which replica, and what failed, e.g. a rank).
         bad = out_of_serving(x.replicas)
         if bad is not None:
-            return ConditionUpdate(c, T, safe_reason(bad[0], "ReplicaOutOfServing"), bad[1])
+            text = f"{bad[1]}; {_failure_text(x.last)}"
+            return ConditionUpdate(c, T, safe_reason(bad[0], "ReplicaOutOfServing"), text)
         return ConditionUpdate(c, T, "SyncFailed", _failure_text(x.last))
     return ConditionUpdate(c, F, "AsExpected", "")
 

@@ -214,6 +214,19 @@ def _install_gate(actor: Any, gate_file: str, max_wait_s: float) -> bool:
     return True
 
 
+def _arm_corruption(actor: Any, armed: bool) -> bool:
+    """Flip one staged byte right before this rank's commit applies it (after the decision): the
+    rank's check of its staging refuses the commit, so its replica ends on two versions."""
+    import torch
+
+    def flip(staging: Any) -> None:
+        name = sorted(staging.tensors)[0]
+        staging.staged(name).reshape(-1).view(torch.uint8)[0] ^= 0xFF
+
+    actor._ws_before_commit = flip if armed else None  # the participant's pre-commit observer
+    return True
+
+
 def _state(actor: Any) -> tuple[str | None, dict[str, str], Any]:
     return actor.ws_version(), actor.ws_sha256(), actor.ws_meta().coord
 
@@ -231,6 +244,14 @@ def cmd_kill(args: argparse.Namespace) -> dict[str, Any]:
 
     ray.kill(ray.get_actor(args.name, namespace=args.namespace), no_restart=True)
     return {"killed": args.name}
+
+
+def cmd_corrupt(args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+
+    actor = ray.get_actor(args.name, namespace=args.namespace)
+    ray.get(actor.__ray_call__.remote(_arm_corruption, args.armed == "on"))
+    return {"corrupt": args.name, "armed": args.armed}
 
 
 def cmd_snapshot(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,7 +281,7 @@ def cmd_snapshot(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ray_cluster.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("gate", "kill", "snapshot"):
+    for name in ("gate", "kill", "corrupt", "snapshot"):
         p = sub.add_parser(name)
         p.add_argument("--address", required=True)
         p.add_argument("--namespace", required=True)
@@ -269,6 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gate.add_argument("--gate-file", required=True)
     gate.add_argument("--max-wait", type=float, default=50.0)
     sub.choices["kill"].add_argument("--name", required=True)
+    sub.choices["corrupt"].add_argument("--name", required=True)
+    sub.choices["corrupt"].add_argument("--armed", choices=("on", "off"), required=True)
     snap = sub.choices["snapshot"]
     snap.add_argument("--prefix", required=True)
     snap.add_argument("--model", required=True)
@@ -280,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import ray
 
     ray.init(address=args.address, namespace=args.namespace, logging_level="WARNING", log_to_driver=False)
-    out = {"gate": cmd_gate, "kill": cmd_kill, "snapshot": cmd_snapshot}[args.cmd](args)
+    commands = {"gate": cmd_gate, "kill": cmd_kill, "corrupt": cmd_corrupt, "snapshot": cmd_snapshot}
+    out = commands[args.cmd](args)
     print(json.dumps(out), flush=True)
     return 0
 

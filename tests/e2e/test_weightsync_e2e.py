@@ -367,12 +367,16 @@ def test_first_sync_through_kubectl(
 
     table = kubectl("get", "ws", "-n", NS).stdout.splitlines()
     header = table[0].split()
-    assert header == ["NAME", "SOURCE", "DESTINATIONS", "DESIRED", "SYNCED", "PHASE", "DURATION", "AGE"], (
-        table
-    )
+    columns = ["NAME", "SOURCE", "DESTINATIONS", "DESIRED", "SYNCED", "PHASE", "SERVING", "DURATION", "AGE"]
+    assert header == columns, table
     row = dict(zip(header, table[1].split(), strict=True))
     assert row["NAME"] == WS and row["SOURCE"] == "trainer" and "rollout-a" in row["DESTINATIONS"]
     assert row["DESIRED"] == row["SYNCED"] == "v1" and row["PHASE"] == "Synced", row
+    assert row["SERVING"] == "2/2", row  # both replicas serve v1, named in status.replicas
+    assert {(r["replica"], r["version"], r["state"]) for r in status["replicas"]} == {
+        (0, "v1", "Serving"),
+        (1, "v1", "Serving"),
+    }, status
     assert float(row["DURATION"]) > 0, row
 
     pods = _live_runtime_pods(kubectl)
@@ -609,15 +613,60 @@ def test_helm_upgrade_with_changed_values(
     assert re.search(r"^weightsync_synced_bytes_total \S+$", metrics, re.M), metrics[:2000]
 
 
+def test_mixed_replica_is_degraded_named_in_status_and_repaired(
+    release: Release, deployment: Deployment, kubectl: Any
+) -> None:
+    """One rank of replica 1 refuses its commit after the decision (its staged bytes no longer
+    match): replica 0 serves v6, replica 1 holds v5 and v6, is kept out of serving, and status
+    says so (Degraded/MixedVersions, status.replicas, the Serving column). The next sync repairs it."""
+    bad, good = f"{DST_PREFIX}r1-pp0-tp0", f"{DST_PREFIX}r1-pp0-tp1"
+
+    def mixed() -> Any:
+        obj = _ws(kubectl)
+        degraded = condition(obj, "Degraded") or {}
+        return obj if (degraded.get("status"), degraded.get("reason")) == ("True", "MixedVersions") else None
+
+    deployment.cluster.driver("corrupt", "--namespace", RAY_NS, "--name", bad, "--armed", "on")
+    try:  # armed, every retry of v6 ends the same way: the state below holds still
+        deployment.train_step("v6")
+        _set_version(kubectl, "v6")
+        try:
+            obj = wait_for("Degraded with reason MixedVersions", mixed, SYNC_TIMEOUT)
+        except AssertionError as e:  # say what status showed instead
+            raise AssertionError(f"{e}; status: {json.dumps(_ws(kubectl).get('status'))[:6000]}") from None
+        status = obj["status"]
+        replicas = {r["replica"]: r for r in status["replicas"]}
+        assert replicas[0]["state"] == "Serving" and replicas[0]["version"] == "v6", replicas
+        assert replicas[1]["state"] == "Degraded" and replicas[1].get("version") is None, replicas
+        assert replicas[1]["rankVersions"] == ["v5", "v6"], replicas
+        assert status["serving"] == "1/2" and status["syncedVersion"] == "v5", status
+        assert "replica 1 is Degraded (ranks on v5, v6)" in condition(obj, "Degraded")["message"]
+        columns = kubectl("get", "weightsync", WS, "-n", NS).stdout
+        assert re.search(r"\b1/2\b", columns), columns
+        ranks = deployment.snapshot()  # every rank holds exactly the version it names
+        assert all(r["exact"] for r in ranks.values()), ranks
+        assert (ranks[bad]["version"], ranks[good]["version"]) == ("v5", "v6"), ranks
+    finally:
+        deployment.cluster.driver("corrupt", "--namespace", RAY_NS, "--name", bad, "--armed", "off")
+    # The next sync (the runtime's own retry, or this new version) resends replica 1 in full.
+    deployment.train_step("v7")
+    _set_version(kubectl, "v7")
+    obj = _wait_synced(kubectl, "v7")
+    status = obj["status"]
+    assert [(r["state"], r["version"]) for r in status["replicas"]] == [("Serving", "v7")] * 2, status
+    assert status["serving"] == "2/2" and condition(obj, "Degraded")["status"] == "False", status
+    deployment.verify("v7")
+
+
 def test_destination_killed_mid_sync(release: Release, deployment: Deployment, kubectl: Any) -> None:
     """A destination rank dies mid-transfer: the sync fails with that rank named, Degraded, and the
-    surviving destinations keep v5 bit-exact."""
-    deployment.train_step("v6")
+    surviving destinations keep v7 bit-exact."""
+    deployment.train_step("v8")
     victim = f"{DST_PREFIX}r1-pp0-tp1"
     with deployment.gate():
-        _set_version(kubectl, "v6")
+        _set_version(kubectl, "v8")
         deployment.wait_at_gate()
-        _wait_syncing(kubectl, "v6")
+        _wait_syncing(kubectl, "v8")
         deployment.cluster.driver("kill", "--namespace", RAY_NS, "--name", victim)
 
     def failed() -> Any:
@@ -626,7 +675,7 @@ def test_destination_killed_mid_sync(release: Release, deployment: Deployment, k
 
     obj = wait_for("phase Failed", failed, SYNC_TIMEOUT)
     status = obj["status"]
-    assert status["syncedVersion"] == "v5", status
+    assert status["syncedVersion"] == "v7", status
     degraded, synced = condition(obj, "Degraded"), condition(obj, "Synced")
     assert degraded is not None and degraded["status"] == "True", status["conditions"]
     assert synced is not None and synced["status"] == "False", status["conditions"]
@@ -634,7 +683,9 @@ def test_destination_killed_mid_sync(release: Release, deployment: Deployment, k
     assert status["lastSync"]["result"] == "Failed", status["lastSync"]
     # The sync that lost the rank names it (global ranks: sources 0-1, then destinations in
     # (replica, tp) order: r1-tp1 is rank 5). The runtime retries a ParticipantDied; when the
-    # retry ran before this read, its discovery names the same rank by coordinates instead.
+    # retry ran before this read, its discovery names the same rank by coordinates instead. When
+    # the report names replica 1 out of serving (its dead rank holds no version), Degraded's reason
+    # says so (MixedVersions) and its message carries the failure too.
     if failure["reason"] == "TopologyMismatch":
         assert failure["step"] == "discover" and "missing rank replica=1,pp=0,tp=1" in failure["message"], (
             failure
@@ -647,10 +698,10 @@ def test_destination_killed_mid_sync(release: Release, deployment: Deployment, k
     # A killed named actor drops out of Ray's name table (or answers as dead).
     alive = {n: r for n, r in ranks.items() if not r.get("dead")}
     assert victim not in alive and len(alive) == DST_RANKS - 1, ranks
-    assert all(r["version"] == "v5" and r["exact"] for r in alive.values()), alive
+    assert all(r["version"] == "v7" and r["exact"] for r in alive.values()), alive
     warning = [e for e in events_for(kubectl, NS, WS) if e["reason"] == "SyncFailed"]
-    # Event lists are not in time order: look for the one about v6.
-    assert any(e["type"] == "Warning" and "v6" in e["message"] for e in warning), warning
+    # Event lists are not in time order: look for the one about v8.
+    assert any(e["type"] == "Warning" and "v8" in e["message"] for e in warning), warning
 
 
 def test_deleting_the_weightsync_garbage_collects_its_pod(release: Release, kubectl: Any) -> None:
