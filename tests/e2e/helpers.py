@@ -93,3 +93,11 @@ def runtime_pods(kubectl: Kubectl, namespace: str, ws_name: str) -> list[dict[st
 def events_for(kubectl: Kubectl, namespace: str, name: str) -> list[dict[str, Any]]:
     items = get_json(kubectl, "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
     return list((items or {}).get("items") or [])
+
+
+def container_argv(pod: dict[str, Any]) -> list[str]:
+    """argv of the local process the node agent runs for the pod's first container."""
+    cid = pod["status"]["containerStatuses"][0]["containerID"]
+    raw = Path(f"/proc/{int(cid.removeprefix('local://'))}/cmdline").read_bytes()
+    # The agent runs `unshare ... sh -c SCRIPT sh EXE ARGS`: the container's argv follows "sh".
+    return [a.decode() for a in raw.split(b"\0") if a]

@@ -28,7 +28,16 @@ from typing import Any
 import pytest
 import yaml
 from controlplane import free_port
-from helpers import condition, dump_pod_logs, get_json, operator_values, runtime_pods, say, wait_for
+from helpers import (
+    condition,
+    container_argv,
+    dump_pod_logs,
+    get_json,
+    operator_values,
+    runtime_pods,
+    say,
+    wait_for,
+)
 from ray_cluster import RayCluster
 
 from sync_runtime.core.models import build_manifest
@@ -255,6 +264,12 @@ def test_kubectl_apply_syncs_the_vllm_engine_bit_for_bit(
     assert condition(obj, "Degraded")["status"] == "False"  # type: ignore[index]
     pods = [p for p in runtime_pods(kubectl, NS, WS) if not p["metadata"].get("deletionTimestamp")]
     assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
+    argv = container_argv(pods[0])
+    i = argv.index("run")
+    # The runtime is the engine env's console script (PATH of the node agent): its Ray client is
+    # the version the vLLM actors run.
+    assert argv[i - 1] == str(Path(sys.executable).parent / "weightsync"), argv
+    assert argv[i:] == ["run", "--kubernetes", "--namespace", NS, "--name", WS], argv
 
     t0 = time.monotonic()
     rows, label = stack.generate()
