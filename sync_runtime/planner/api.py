@@ -26,8 +26,8 @@ from sync_runtime.errors import LayoutError, PlanError, TopologyError
 from sync_runtime.planner import lanes as _lanes
 from sync_runtime.planner import relay as _relay
 from sync_runtime.planner.config import PlannerConfig, SideSpec
-from sync_runtime.planner.fill import refill
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
+from sync_runtime.planner.fill import refill
 from sync_runtime.planner.needs import Need, NeedBuilder
 from sync_runtime.planner.program import BucketRef, CompactPrograms, PairBook
 from sync_runtime.planner.refine import SourceCell, build_cells
@@ -192,7 +192,12 @@ def _build(
         relay=bool(chains),
         programs=programs,
     )
-    lower_bound = sum(n.nbytes for insts in side_instances for _, needs in insts for n in needs)
+    per_list: dict[int, int] = {}  # needs lists are shared per position: sum each once
+    for insts in side_instances:
+        for _, needs in insts:
+            if id(needs) not in per_list:
+                per_list[id(needs)] = sum(n.nbytes for n in needs)
+    lower_bound = sum(per_list[id(needs)] for insts in side_instances for _, needs in insts)
     plan.stats.update(plan_stats(plan, schedule, n_tensors, lower_bound, config.cost))
     plan.stats["scheduler"] = scheduler
     return plan
