@@ -1,10 +1,15 @@
 """Real vLLM destination, DeepSeek-V3 (MLA, noaux_tc router, shared experts) at TP 2.
 
-vLLM's CPU MLA path is not repeat-deterministic: measured here (bf16, TP 2), the reference
-engine's 2nd and 3rd generate of the same prompts each agree with its 1st on 0 of 4 rows.
-It is, however, reproducible by call count: the destination (1st call on dummy weights, sync,
-2nd call) is bit-identical to the reference's 2nd call. So the comparison is like with like:
-both engines' second generate. float32 was not tried.
+vLLM's CPU MLA path is not repeat-deterministic, and this tiny model's next-token distribution
+is nearly flat (chosen-token logprobs about -6.89 over a 1024-token vocabulary), so the noise
+flips greedy tokens: one engine's generate calls of the same prompts disagree with each other
+(the reference's 2nd and 3rd calls agreed with its 1st on 0 to 4 of 4 rows), and in CI the synced
+engine's outputs matched none of the reference's three. Generation equality is therefore not
+asserted for MLA; it is printed. What is asserted, deterministically:
+- bit-exact weights: every rank's committed bytes (`ws_checksums`) equal the layout's shard of
+  the seeded v1 weights for every tensor (negative control: the v0 weights' checksums differ);
+- the derived tensors (`W_UV`, `W_UK_T`) are never synced: vLLM re-derives them at commit;
+- dummy weights generate otherwise than the reference (0 of 4 rows equal).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ import ray
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.demo.weights import bits_to_torch, shard_arrays
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
+from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from tests.support.vllm_deploy import deploy, destination_ref, generations, rows_equal, sync_spec
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -59,7 +66,12 @@ def test_engine_reports_the_mla_layout(deployment: dict[str, Any]) -> None:
         assert not any("W_UV" in n or "W_UK_T" in n for n in got)  # derived, never synced
 
 
-def test_mla_sync_is_bit_identical_to_the_reference_like_with_like(deployment: dict[str, Any]) -> None:
+SYNCED_CALLS = 2
+"""Generate calls on the synced engine, printed against the reference's (not asserted)."""
+BIAS = "e_score_correction_bias"  # staged and committed in vLLM's fp32 (widened from bf16 exactly)
+
+
+def test_mla_sync_commits_the_exact_bytes_and_vllm_rederives_the_rest(deployment: dict[str, Any]) -> None:
     engine, ref = deployment["engine"], deployment["ref"]
     dummy = generations([engine])[0]
     coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
@@ -68,21 +80,19 @@ def test_mla_sync_is_bit_identical_to_the_reference_like_with_like(deployment: d
     finally:
         coordinator.close()
     assert report.result is SyncResult.SUCCEEDED, report.failure
-    synced = generations([engine])[0]
+    synced = [generations([engine])[0] for _ in range(SYNCED_CALLS)]
+    metas = ray.get(engine.ws_meta.remote())
+    applied = [ray.get(engine.ws_rank_call.remote(i, "ws_checksums", ())) for i in range(len(metas))]
+    for meta, got in zip(metas, applied, strict=True):
+        want = shard_arrays(deployment["manifest"], "vllm", DST, meta.coord, deployment["setup"].seed, "v1")
+        tensors = {n: bits_to_torch(a) for n, a in want.items()}
+        tensors = {n: t.float() if n.endswith(BIAS) else t for n, t in tensors.items()}
+        assert got == {n: hex_digest(checksum_tensor(t)) for n, t in tensors.items()}, meta.coord
+        other = shard_arrays(deployment["manifest"], "vllm", DST, meta.coord, deployment["setup"].seed, "v0")
+        assert got != {n: hex_digest(checksum_tensor(bits_to_torch(a))) for n, a in other.items()}
+    assert ray.get(engine.weight_version.remote()) == "v1"
+    # Printed, not asserted (module docstring): how the synced calls compare with the reference's.
     print("deepseek reference repeat-determinism:", [rows_equal(ref[0], r) for r in ref])
-    # CPU MLA in vLLM 0.32 is not repeatable across generate calls of one engine (the reference
-    # itself differs from call to call in the last logprob bits: seen [4, 4, 0] and [4, 1, 4]
-    # rows equal to its first call). So: the synced engine equals one of the reference's own
-    # outputs bit for bit, or has its token ids with logprobs within 1e-4 of it.
-    assert any(synced == r or _close(synced, r) for r in ref), (synced, ref)
-    assert rows_equal(dummy, ref[1]) == 0
-    assert not any(_close(dummy, r) for r in ref)  # negative control: dummy weights are far off
-
-
-def _close(a: list[dict[str, list]], b: list[dict[str, list]], tol: float = 1e-4) -> bool:
-    """Same token ids on every row, every logprob within `tol`."""
-    return all(
-        x["token_ids"] == y["token_ids"]
-        and all(abs(p - q) <= tol for p, q in zip(x["logprobs"], y["logprobs"], strict=True))
-        for x, y in zip(a, b, strict=True)
-    )
+    print("deepseek synced calls vs reference calls:", [[rows_equal(x, r) for r in ref] for x in synced])
+    assert all(len(row["token_ids"]) == len(row["logprobs"]) > 0 for x in synced for row in x)
+    assert all(rows_equal(dummy, r) == 0 for r in ref)  # negative control: dummy weights differ
