@@ -24,7 +24,6 @@ from datetime import timedelta
 
 import pytest
 import ray
-import torch
 import torch.distributed as dist
 
 from sync_runtime.core.topology import Role, enumerate_ranks
@@ -47,7 +46,7 @@ from sync_runtime.schema.crd import Transport
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.transfer import EngineHooks
 from tests.support import commit_coordinator, faults, serving_checker
-from tests.support.faults import FaultArming
+from tests.support.faults import FaultArming, flip_first_staged_byte
 from tests.support.serving_checker import ServingChecker
 
 MODEL, SRC, DST, SEED, NS = "tiny-llama", "tp=2", "tp=2,replicas=2", 11, "t-commit"
@@ -83,12 +82,7 @@ class CommitDestination(FaultArming, DemoDestination):
 
     def ws_corrupt_before_commit(self, armed: bool) -> None:
         """Flip a staged byte right before the commit applies it (after the decision)."""
-
-        def flip(staging) -> None:
-            name = sorted(staging.tensors)[0]
-            staging.staged(name).reshape(-1).view(torch.uint8)[0] ^= 0xFF
-
-        self._ws_before_commit = flip if armed else None
+        self._ws_before_commit = flip_first_staged_byte if armed else None
 
 
 @pytest.fixture(scope="module")

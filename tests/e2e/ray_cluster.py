@@ -217,13 +217,9 @@ def _install_gate(actor: Any, gate_file: str, max_wait_s: float) -> bool:
 def _arm_corruption(actor: Any, armed: bool) -> bool:
     """Flip one staged byte right before this rank's commit applies it (after the decision): the
     rank's check of its staging refuses the commit, so its replica ends on two versions."""
-    import torch
+    from tests.support.faults import flip_first_staged_byte
 
-    def flip(staging: Any) -> None:
-        name = sorted(staging.tensors)[0]
-        staging.staged(name).reshape(-1).view(torch.uint8)[0] ^= 0xFF
-
-    actor._ws_before_commit = flip if armed else None  # the participant's pre-commit observer
+    actor._ws_before_commit = flip_first_staged_byte if armed else None  # pre-commit observer
     return True
 
 

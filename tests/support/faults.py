@@ -68,6 +68,13 @@ def hooks_for(fault: str | None, seconds: float = 0.0) -> EngineHooks | None:
     raise ValueError(f"unknown fault {fault!r}")
 
 
+def flip_first_staged_byte(staging) -> None:
+    """A participant's `_ws_before_commit` observer: flip one staged byte right before the commit
+    applies it (after the decision), so the rank's re-check of its staging refuses the commit."""
+    name = sorted(staging.tensors)[0]
+    staging.staged(name).reshape(-1).view(torch.uint8)[0] ^= 0xFF
+
+
 class FaultArming:
     """Mixin for a test participant class: `ws_arm(fault)` sets the hooks its next ws_run uses."""
 
