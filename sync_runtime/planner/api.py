@@ -18,7 +18,7 @@ import numpy as np
 
 from sync_runtime.core import layouts as _layouts
 from sync_runtime.core.cost import predict_seconds_arrays
-from sync_runtime.core.layouts.base import Layout
+from sync_runtime.core.layouts.base import Layout, Piece
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import RankCoord, Role
@@ -30,7 +30,7 @@ from sync_runtime.planner.digest import inputs_encoding, plan_digest
 from sync_runtime.planner.fill import refill
 from sync_runtime.planner.needs import Need, NeedBuilder
 from sync_runtime.planner.program import BucketRef, CompactPrograms, PairBook
-from sync_runtime.planner.refine import SourceCell, build_cells
+from sync_runtime.planner.refine import SourceCell, build_shared_cells
 from sync_runtime.planner.schedule import direct_queue, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
 from sync_runtime.planner.stats import plan_stats, schedule_arrays
@@ -112,12 +112,13 @@ def _check_sides(source: SideSpec, destinations: Sequence[SideSpec]) -> None:
 
 def _source_cells(manifest: Manifest, source: SideSpec, layout: Layout) -> dict[str, list[SourceCell]]:
     layout.validate(manifest, source.spec)
-    pieces = (
-        (rank, piece)
-        for rank, coord in enumerate(source.coords)
-        for piece in layout.shard(manifest, source.spec, coord).pieces
-    )
-    cells = build_cells(pieces)
+    # Ranks grouped by the pieces tuple their shard returns: layouts cache shards by the
+    # coordinates that matter, so DP copies share one tuple (kept alive here, so ids stay unique).
+    groups: dict[int, tuple[Sequence[Piece], list[int]]] = {}
+    for rank, coord in enumerate(source.coords):
+        pieces = layout.shard(manifest, source.spec, coord).pieces
+        groups.setdefault(id(pieces), (pieces, []))[1].append(rank)
+    cells = build_shared_cells((ranks, pieces) for pieces, ranks in groups.values())
     for t in manifest.tensors:
         if t.name not in cells:
             raise LayoutError(f"tensor {t.name}: source layout {source.layout} holds no piece of it")
