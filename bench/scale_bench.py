@@ -1,10 +1,11 @@
 """Scale benchmark (`make bench-scale`): plan, then cut and pickle every rank's program.
 
 Each case runs in a fresh process (`--child NAME`), so its peak memory (ru_maxrss) is its own.
-Figures per case: CPU seconds of planning and of all per-rank programs (cut + pickled), peak
-memory, the largest rank program's pickled bytes against a pickle of just its transfers, wire
-bytes against the lower bound, send max/mean and predicted against floor. CPU time, not wall
-time: the machine is shared. Prints only; exits 0 either way (a benchmark, not a test).
+Figures per case: CPU seconds of planning and of all per-rank programs (cut in batches by
+`SyncPlan.rank_plans`, each pickled on its own), peak memory, the largest rank program's pickled
+bytes against a pickle of just its transfers, wire bytes against the lower bound, send max/mean
+and predicted against floor. CPU time, not wall time: the machine is shared. Prints only; exits 0
+either way (a benchmark, not a test).
 Usage: python bench/scale_bench.py [--only NAME] [--ranks N]  (--ranks: programs of N ranks only)
 """
 
@@ -45,15 +46,15 @@ def _transfers_bytes(rank_plan: object) -> int:
 
 
 def _programs(plan: object, n_ranks: int) -> dict:
-    """Cut and pickle every rank's program; the largest one's figures."""
+    """Cut (in batches, `rank_plans`) and pickle every rank's program; the largest one's figures."""
     started = time.process_time()
     largest = (0, 0, 0)
     total = 0
-    for rank in range(n_ranks):
-        blob = pickle.dumps(plan.for_rank(rank), protocol=pickle.HIGHEST_PROTOCOL)  # type: ignore[attr-defined]
+    for program in plan.rank_plans(range(n_ranks)):  # type: ignore[attr-defined]
+        blob = pickle.dumps(program, protocol=pickle.HIGHEST_PROTOCOL)
         total += len(blob)
         if len(blob) > largest[1]:
-            largest = (rank, len(blob), 0)
+            largest = (program.rank, len(blob), 0)
     seconds = time.process_time() - started
     rank_plan = plan.for_rank(largest[0])  # type: ignore[attr-defined]
     tracemalloc.start()

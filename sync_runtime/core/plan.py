@@ -6,12 +6,14 @@ its buckets once; rounds run in order. A bucket is one flat message between one 
 
 A planned `SyncPlan` is backed by compact `RankPrograms` (the planner's per-pair patterns and
 per-bucket arrays, see planner/program.py): `for_rank` cuts one rank's program from indices built
-once, and `rounds` (every bucket as objects) is only materialised when someone asks for it.
+once, `rank_plans` many ranks' in batched passes, and `rounds` (every bucket as objects) is only
+materialised when someone asks for it.
 A hand-made plan (tests) gives `rounds` directly; its per-rank index is built on first use.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,6 +84,10 @@ class PackedSide:
     transfers: np.ndarray
     nbytes: np.ndarray
 
+    def __reduce__(self) -> tuple:
+        # Positional args: a slots dataclass otherwise pickles through Python-level state hooks.
+        return (PackedSide, (self.buckets, self.transfers, self.nbytes))
+
     def unpack(self, names: tuple[str, ...], width: int, n_rounds: int) -> PerRound:
         out: list[list[Bucket]] = [[] for _ in range(n_rounds)]
         rows, sizes = self.transfers.tolist(), self.nbytes.tolist()
@@ -106,6 +112,9 @@ class PackedProgram:
     width: int
     sends: PackedSide
     recvs: PackedSide
+
+    def __reduce__(self) -> tuple:
+        return (PackedProgram, (self.n_rounds, self.names, self.width, self.sends, self.recvs))
 
 
 class RankPlan:
@@ -192,6 +201,11 @@ class RankPrograms(Protocol):
         """`rank`'s program (compact storages answer with a packed one)."""
         ...
 
+    def rank_plans(self, ranks: Iterable[int], digest: str) -> Iterator[RankPlan]:
+        """The programs of `ranks` in that order, each equal to `rank_plan`'s (compact storages
+        cut them in batches: much cheaper per rank than one call each)."""
+        ...
+
     def bucket_rows(self) -> np.ndarray:
         """Per bucket: round, src, dst, bytes (int64, shape (n, 4)), without building objects."""
         ...
@@ -226,6 +240,9 @@ class _RoundIndex:
 
     def rank_plan(self, rank: int, digest: str) -> RankPlan:
         return RankPlan(rank, digest, *self.rank_buckets(rank))
+
+    def rank_plans(self, ranks: Iterable[int], digest: str) -> Iterator[RankPlan]:
+        return (self.rank_plan(rank, digest) for rank in ranks)
 
     def bucket_rows(self) -> np.ndarray:
         rows = [(i, b.src_rank, b.dst_rank, b.nbytes) for i, r in enumerate(self._rounds) for b in r.buckets]
@@ -283,6 +300,12 @@ class SyncPlan:
     def for_rank(self, rank: int) -> RankPlan:
         """`rank`'s program; costs its own buckets, not the plan's (indices built once)."""
         return self._index().rank_plan(rank, self.digest)
+
+    def rank_plans(self, ranks: Iterable[int] | None = None) -> Iterator[RankPlan]:
+        """Programs of `ranks` (default: every rank), in order, each equal to `for_rank`'s: the
+        way to cut many (a coordinator sending every rank its program), batched in one pass."""
+        chosen = range(len(self.ranks)) if ranks is None else ranks
+        return self._index().rank_plans(chosen, self.digest)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, SyncPlan):

@@ -14,7 +14,7 @@ rows and builds `Transfer` objects for them alone.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,11 +22,13 @@ import numpy as np
 from sync_runtime.core.plan import Bucket, RankPlan, Round, Transfer
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.senders import Choice
-from sync_runtime.planner.tables import NeedTable
+from sync_runtime.planner.tables import NeedTable, expand_ranges
 
 Segments = list[tuple[tuple[int, ...], list[int]]]
 """A needs list's holder sets, in first-appearance order, with their need indices."""
 PerRound = tuple[tuple[Bucket, ...], ...]
+CHUNK_TRANSFERS = 1 << 19
+"""Transfer rows per batch of `CompactPrograms.rank_plans` (~100 B of arrays each while cut)."""
 
 
 class BucketRef:
@@ -194,9 +196,10 @@ class CompactPrograms:
         self._src_at = np.concatenate([[0], np.cumsum(np.bincount(self.src, minlength=n_ranks))])
         self._dst_at = np.concatenate([[0], np.cumsum(np.bincount(self.dst, minlength=n_ranks))])
         self.n_ranks = n_ranks
-        self._nbytes = self.bucket_tables()[0]
+        self._nbytes, self._count = self.bucket_tables()
         self._pattern = np.asarray(book.pair_pattern, dtype=np.int64)
         self._table: NeedTable | None = None
+        self._per_rank: list[int] | None = None
 
     @classmethod
     def from_refs(cls, book: PairBook, rounds: Sequence[Sequence[BucketRef]]) -> CompactPrograms:
@@ -230,16 +233,59 @@ class CompactPrograms:
         recvs = self._by_dst[self._dst_at[rank] : self._dst_at[rank + 1]]
         return self._per_round(sends), self._per_round(recvs)
 
-    def rank_plan(self, rank: int, digest: str) -> RankPlan:
-        """`rank`'s packed program: gathers over its own rows (see tables.py), no objects."""
+    def table(self) -> NeedTable:
+        """The plan's need table (built on first use: only programs need it)."""
         if self._table is None:
             self._table = self.book.table()
-        sides = []
+        return self._table
+
+    def rank_plan(self, rank: int, digest: str) -> RankPlan:
+        """`rank`'s packed program: gathers over its own rows (see tables.py), no objects."""
+        return next(self.rank_plans([rank], digest))
+
+    def rank_plans(
+        self, ranks: Iterable[int], digest: str, chunk_transfers: int = CHUNK_TRANSFERS
+    ) -> Iterator[RankPlan]:
+        """The programs of `ranks`, in that order, each equal to `rank_plan`'s: cut in chunks of
+        about `chunk_transfers` transfer rows, each one batch of gathers (per-call overhead is
+        paid per chunk, not per rank) and bounded memory."""
+        per_rank = self._rank_transfers()
+        chunk: list[int] = []
+        size = 0
+        for rank in ranks:
+            chunk.append(rank)
+            size += per_rank[rank] if 0 <= rank < self.n_ranks else 0
+            if size >= chunk_transfers:
+                yield from self._compile(chunk, digest)
+                chunk, size = [], 0
+        if chunk:
+            yield from self._compile(chunk, digest)
+
+    def _rank_transfers(self) -> list[int]:
+        """Per rank: transfer rows of its program (sends and receives)."""
+        if self._per_rank is None:
+            total = np.zeros(self.n_ranks, dtype=np.int64)
+            for order, at in ((self._by_src, self._src_at), (self._by_dst, self._dst_at)):
+                running = np.concatenate([[0], np.cumsum(self._count[order])])
+                total += running[at[1:]] - running[at[:-1]]
+            self._per_rank = total.tolist()
+        return self._per_rank
+
+    def _compile(self, chunk: list[int], digest: str) -> Iterator[RankPlan]:
+        table = self.table()
+        ranks = np.asarray(chunk, dtype=np.int64)
+        inside = (ranks >= 0) & (ranks < self.n_ranks)
+        ranks = np.where(inside, ranks, 0)
+        cols = (self.round, self.src, self.dst, self.k, self.relayed, self._nbytes)
+        sides, offsets = [], []
         for order, at in ((self._by_src, self._src_at), (self._by_dst, self._dst_at)):
-            rows = order[at[rank] : at[rank + 1]] if rank < self.n_ranks else order[:0]
-            cols = (self.round, self.src, self.dst, self.k, self.relayed, self._nbytes)
-            sides.append(self._table.side([c[rows] for c in cols], self._pattern[self.pair[rows]]))
-        return RankPlan(rank, digest, packed=self._table.program(self.n_rounds, sides[0], sides[1]))
+            counts = np.where(inside, at[ranks + 1] - at[ranks], 0)
+            rows = order[expand_ranges(at[ranks], counts)]
+            sides.append(table.side([c[rows] for c in cols], self._pattern[self.pair[rows]]))
+            offsets.append(np.concatenate([[0], np.cumsum(counts)]))
+        programs = table.programs(self.n_rounds, sides[0], sides[1], offsets[0], offsets[1])
+        for rank, packed in zip(chunk, programs, strict=True):
+            yield RankPlan(rank, digest, packed=packed)
 
     def bucket_rows(self) -> np.ndarray:
         sizes, _ = self.bucket_tables()

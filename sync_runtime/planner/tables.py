@@ -1,39 +1,70 @@
-"""Flat tables of a plan's needs, so a rank's program is cut with array gathers, not objects.
+"""Flat tables of a plan's needs, so rank programs are cut with array gathers, not objects.
 
-Per need (every needs list of the plan, concatenated): tensor, destination name and box, the
-canonical box, bytes, holder set and its cell. Per (cell, holder): where that holder stores the
-cell: local name, leading local dims, and the shift from canonical to local coordinates (a
-holder's local box is its canonical box shifted, with extra leading dims, see refine.to_local).
-Per pattern bucket: the range of its needs in one flat order. Boxes are `width` zero-padded
-(lo, hi) pairs. A rank's program (`pack`) is then a handful of numpy gathers over its own rows
-(core/plan.py PackedProgram): building Transfer objects and pickling them was 80% of the cost of
-cutting every program of a Kimi-K2 plan.
+Per need (every needs list of the plan, concatenated): a packed transfer row as far as the need
+decides it (tensor, destination name, ndims, canonical box, destination box), its bytes, holder
+set and the first (cell, holder) row of its cell. Per (cell, holder): which stored *piece* the
+holder reads it from. Per distinct piece (DP copies share one: a few hundred for Kimi-K2 against a
+million holder entries): the row that turns a need's canonical box into the holder's local box
+(local name, leading local dims, and the shift from canonical to local coordinates, see
+refine.to_local), in the same packed columns, so a transfer row is one need row plus one piece
+row. Per pattern bucket: the range of its needs in one flat order. Boxes are `width`
+zero-padded (lo, hi) pairs (core/plan.py PackedSide). `side` cuts the rows of many ranks' buckets
+at once; `programs` slices them per rank and gives each rank its own names table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from itertools import chain
 
 import numpy as np
 
-from sync_runtime.core.layouts.base import Box
-from sync_runtime.core.plan import PackedProgram, PackedSide
+from sync_runtime.core.layouts.base import Box, Piece
+from sync_runtime.core.plan import BOX_FIELDS, PackedProgram, PackedSide
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.refine import SourceCell
 
+Side = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(bucket rows, transfer rows, transfer bytes) of one direction, as in PackedSide."""
+DENSE_HOLDERS_LIMIT = 1 << 26
+"""Largest (holder set x rank) table looked up densely (int16: 128 MiB); beyond it, sorted keys."""
 
-def _flat(box: Box, width: int) -> list[int]:
-    out = [v for pair in box for v in pair]
-    return out + [0] * (2 * width - len(out))
 
-
-def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+def expand_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenated aranges [starts[i], starts[i] + counts[i]) (vectorised)."""
     total = int(counts.sum())
     if total == 0:
         return np.zeros(0, dtype=np.int64)
     offsets = np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
     return offsets + np.arange(total, dtype=np.int64)
+
+
+class HolderIndex:
+    """Where a rank sits in a holder set (0 where it is none: a relay forwarder, whose row is
+    rewritten anyway). Dense (set, rank) table when small enough, else sorted keys."""
+
+    def __init__(self, sets: Sequence[tuple[int, ...]], dense_limit: int = DENSE_HOLDERS_LIMIT):
+        lens = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
+        ranks = np.fromiter(chain.from_iterable(sets), dtype=np.int64, count=int(lens.sum()))
+        starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+        position = np.arange(len(ranks), dtype=np.int64) - np.repeat(starts, lens)
+        self.span = int(ranks.max(initial=0)) + 2  # the last column: "no holder" for every set
+        keys = np.repeat(np.arange(len(sets), dtype=np.int64), lens) * self.span + ranks
+        small = np.min_scalar_type(int(lens.max(initial=0)))
+        self.dense: np.ndarray | None = None
+        if len(sets) * self.span <= dense_limit:
+            self.dense = np.zeros(len(sets) * self.span, dtype=small)
+            self.dense[keys] = position
+        else:
+            order = np.argsort(keys)
+            self.keys, self.position = keys[order], position[order]
+
+    def lookup(self, sets: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        query = sets * self.span + np.minimum(ranks, self.span - 1)
+        if self.dense is not None:
+            return self.dense[query]
+        at = np.minimum(np.searchsorted(self.keys, query), len(self.keys) - 1)  # keys: not empty here
+        return np.where(self.keys[at] == query, self.position[at], 0)
 
 
 class NeedTable:
@@ -45,32 +76,103 @@ class NeedTable:
         """`patterns`: per pattern (index of its needs list, need order, bucket bounds)."""
         self.names: list[str] = []
         self._name_ids: dict[str, int] = {}
+        self._boxes: dict[Box, int] = {}
         self._set_ids: dict[tuple[int, ...], int] = {}
-        self._holder_index: dict[int, dict[int, int]] = {}
-        self._cells: dict[int, int] = {}
-        cells = {id(n.cell): n.cell for needs in needs_lists for n in needs}
-        self.width = max(
-            max((len(p.local_box) for c in cells.values() for _, p in c.holders), default=1),
-            max((len(n.dst_box) for needs in needs_lists for n in needs), default=1),
-        )
-        self._ch: list[tuple[int, int, list[int], list[int]]] = []
-        bases, rows = [], []
-        for needs in needs_lists:
-            bases.append(len(rows))
-            rows.extend(self._need_row(n) for n in needs)
-        cols = list(zip(*rows, strict=True)) if rows else [[]] * 7
-        self.tensor, self.dst_name, self.dst_nd, self.canon_nd, self.nbytes, self.set, self.cell = (
-            np.asarray(c, dtype=np.int64) for c in cols[:7]
-        )
-        w2 = 2 * self.width
-        self.dst_box = np.array([r[7] for r in rows], dtype=np.int32).reshape(-1, w2)
-        self.canon = np.array([r[8] for r in rows], dtype=np.int32).reshape(-1, w2)
-        ch = self._ch
-        self.ch_name = np.array([c[0] for c in ch], dtype=np.int64)
-        self.ch_lc = np.array([c[1] for c in ch], dtype=np.int64)
-        self.ch_lead = np.array([c[2] for c in ch], dtype=np.int32).reshape(-1, w2)
-        self.ch_shift = np.array([c[3] for c in ch], dtype=np.int32).reshape(-1, w2)
+        self._piece_ids: dict[int, int] = {}  # id(piece) -> row (pieces live in the cells)
+        self._piece_values: dict[tuple[str, Box, Box], int] = {}
+        self._piece_parts: list[tuple[int, int, list[int]]] = []  # name, lead, unpadded box part
+        self._ch: list[int] = []
+        bases, ints = self._needs(needs_lists)
+        local = max((len(v[1]) for v in self._piece_values), default=1)
+        self.width = max(local, max(map(len, self._boxes), default=1))
+        self._columns(np.array(ints, dtype=np.int64).reshape(-1, 10))
         self._patterns(bases, patterns)
+        self._name_objects = np.array(self.names, dtype=object)
+
+    def _needs(self, needs_lists: Sequence[list[Need]]) -> tuple[list[int], list[int]]:
+        """One pass over the needs: 10 ints each (see `_columns`); cells filed at first sight.
+        Names are numbered in the order the per-need tables always did (tensor, destination,
+        then the cell's holders)."""
+        name, box = self._name, self._box
+        cells: dict[int, tuple[int, int, bool]] = {}  # id(cell) -> `_cell`
+        bases: list[int] = []
+        ints: list[int] = []
+        count = 0
+        for needs in needs_lists:
+            bases.append(count)
+            count += len(needs)
+            for n in needs:
+                tensor, dst = name(n.tensor), name(n.dst_name)
+                cell = cells.get(id(n.cell))
+                if cell is None:
+                    cell = cells[id(n.cell)] = self._cell(n.cell)
+                canon_box, dst_box = n.canon_box, n.dst_box
+                ints += (tensor, dst, len(canon_box), len(dst_box), box(canon_box), box(dst_box),
+                         cell[0], cell[1], n.nbytes, cell[2])  # fmt: skip
+        return bases, ints
+
+    def _columns(self, ints: np.ndarray) -> None:
+        """Per need: packed row (tensor, -, dst name, canon ndim, dst ndim, canon box, dst box),
+        cell, holder set, bytes, and the full transfer row where every holder of its cell reads
+        the same piece (DP copies: all cells of the shipped layouts); per piece its packed row;
+        the holder index (for the other cells)."""
+        w2 = 2 * self.width
+        boxes = np.zeros((len(self._boxes), w2), dtype=np.int32)
+        for box, i in self._boxes.items():
+            flat = [v for pair in box for v in pair]
+            boxes[i, : len(flat)] = flat
+        rows = np.zeros((len(ints), BOX_FIELDS + 2 * w2), dtype=np.int32)
+        rows[:, [0, 2, 3, 4]] = ints[:, :4]
+        rows[:, BOX_FIELDS : BOX_FIELDS + w2] = boxes[ints[:, 4]]
+        rows[:, BOX_FIELDS + w2 :] = boxes[ints[:, 5]]
+        self.need_rows = rows
+        self.cell, self.set, self.nbytes = ints[:, 6].copy(), ints[:, 7].copy(), ints[:, 8].copy()
+        self.mixed = ints[:, 9].astype(bool)
+        self._any_mixed = bool(self.mixed.any())
+        self.piece_rows = np.zeros((len(self._piece_parts), BOX_FIELDS + 2 * w2), dtype=np.int32)
+        for i, (name, lead, part) in enumerate(self._piece_parts):
+            self.piece_rows[i, [1, 3]] = name, lead
+            self.piece_rows[i, BOX_FIELDS : BOX_FIELDS + len(part)] = part
+        self.piece_lead = self.piece_rows[:, 3].copy()
+        self._leads = sorted(set(self.piece_lead.tolist()) - {0})
+        self.ch_piece = np.array(self._ch, dtype=np.int64)
+        self.holders = HolderIndex(list(self._set_ids))
+        self.full_rows = self._read_rows(np.arange(len(rows)), self.ch_piece[self.cell])
+
+    def _box(self, box: Box) -> int:
+        """Index of `box` in the table of distinct boxes (boxes repeat across tensors)."""
+        found = self._boxes.get(box)
+        if found is None:
+            found = self._boxes[box] = len(self._boxes)
+        return found
+
+    def _cell(self, cell: SourceCell) -> tuple[int, int, bool]:
+        """(first row of `cell` in `ch_piece`, its holder set, whether its holders read different
+        pieces); its holders' rows follow in order."""
+        first = len(self._ch)
+        sid = self._set_ids.setdefault(cell.ranks, len(self._set_ids))
+        known = self._piece_ids
+        rows = []
+        for _, piece in cell.holders:
+            row = known.get(id(piece))
+            if row is None:
+                row = known[id(piece)] = self._piece(piece)
+            rows.append(row)
+        self._ch += rows
+        return first, sid, rows.count(rows[0]) != len(rows)
+
+    def _piece(self, piece: Piece) -> int:
+        """Row of a distinct stored region: name, leading dims, canonical-to-local shift."""
+        local, canon = piece.local_box, piece.canon_box
+        value = (piece.local_name, local, canon)
+        row = self._piece_values.get(value)
+        if row is None:
+            row = self._piece_values[value] = len(self._piece_values)
+            lead = len(local) - len(canon)
+            shift = [local[lead + d][0] - canon[d][0] for d in range(len(canon)) for _ in (0, 1)]
+            part = [v for pair in local[:lead] for v in pair] + shift
+            self._piece_parts.append((self._name(piece.local_name), lead, part))
+        return row
 
     def _patterns(self, bases: list[int], patterns: Sequence[tuple[int, list[int], list[int]]]) -> None:
         order: list[int] = []
@@ -79,8 +181,9 @@ class NeedTable:
         for lst, p_order, bounds in patterns:
             pat_base.append(len(bucket_at))
             start = len(order)
-            order.extend(bases[lst] + i for i in p_order)
-            bucket_at.extend(start + b for b in bounds[:-1])
+            base = bases[lst]
+            order.extend([base + i for i in p_order])
+            bucket_at.extend([start + b for b in bounds[:-1]])
         bucket_at.append(len(order))
         self.order = np.asarray(order, dtype=np.int64)
         self.bucket_at = np.asarray(bucket_at, dtype=np.int64)
@@ -93,75 +196,88 @@ class NeedTable:
             self.names.append(name)
         return found
 
-    def _cell(self, cell: SourceCell) -> int:
-        """First (cell, holder) row of `cell`; its holders' rows follow in holder order."""
-        found = self._cells.get(id(cell))
-        if found is None:
-            found = self._cells[id(cell)] = len(self._ch)
-            w = self.width
-            for _, piece in cell.holders:
-                local, c = piece.local_box, piece.canon_box
-                lead = len(local) - len(c)
-                shift = [local[lead + d][0] - c[d][0] for d in range(len(c)) for _ in (0, 1)]
-                shift += [0] * (2 * w - len(shift))
-                self._ch.append((self._name(piece.local_name), lead, _flat(local[:lead], w), shift))
-        return found
+    def side(self, rows: Sequence[np.ndarray], pattern: np.ndarray) -> Side:
+        """(bucket rows, transfer rows with global name ids, transfer bytes) of buckets in order.
 
-    def _need_row(self, n: Need) -> tuple:
-        ranks = n.cell.ranks
-        sid = self._set_ids.get(ranks)
-        if sid is None:
-            sid = self._set_ids[ranks] = len(self._set_ids)
-            self._holder_index[sid] = {r: h for h, r in enumerate(ranks)}
-        w = self.width
-        return (self._name(n.tensor), self._name(n.dst_name), len(n.dst_box), len(n.canon_box), n.nbytes,
-                sid, self._cell(n.cell), _flat(n.dst_box, w), _flat(n.canon_box, w))  # fmt: skip
-
-    def _holders(self, sets: np.ndarray, senders: np.ndarray) -> np.ndarray:
-        """Per transfer, the index of its sender among its need's holders (0 where it is none)."""
-        key = sets * (int(senders.max(initial=0)) + 1) + senders
-        unique, inverse = np.unique(key, return_inverse=True)
-        span = int(senders.max(initial=0)) + 1
-        index = self._holder_index
-        found = [index[int(u) // span].get(int(u) % span, 0) for u in unique]
-        return np.asarray(found, dtype=np.int64)[inverse]
-
-    def side(
-        self, rows: Sequence[np.ndarray], pattern: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(bucket rows, transfer rows with global name ids, transfer bytes) of one direction.
-
-        `rows`: round, src, dst, k, relayed, nbytes per bucket (in program order); `pattern`
-        per bucket.
+        `rows`: round, src, dst, k, relayed, nbytes per bucket (one rank's, or many ranks' one
+        after the other); `pattern` per bucket.
         """
         rnd, src, dst, k, relayed, nbytes = rows
         gb = self.pat_base[pattern] + k
         lo = self.bucket_at[gb]
         counts = self.bucket_at[gb + 1] - lo
-        need = self.order[_expand(lo, counts)]
-        t_src, t_rel = np.repeat(src, counts), np.repeat(relayed, counts)
-        ch = self.cell[need] + self._holders(self.set[need], t_src)
-        lc, canon_nd = self.ch_lc[ch], self.canon_nd[need]
-        shifted = self.canon[need] + self.ch_shift[ch]
-        box = np.zeros_like(shifted)
-        for lead in np.unique(lc).tolist():
-            m = lc == lead
-            box[m, : 2 * lead] = self.ch_lead[ch[m], : 2 * lead]
-            box[m, 2 * lead :] = shifted[m, : shifted.shape[1] - 2 * lead]
-        src_name, src_nd, dst_nd = self.ch_name[ch], lc + canon_nd, self.dst_nd[need]
-        dst_box, dst_name = self.dst_box[need], self.dst_name[need]
-        if t_rel.any():  # a relay copy is read where the forwarder stored it
-            src_name, src_nd = np.where(t_rel, dst_name, src_name), np.where(t_rel, dst_nd, src_nd)
-            box = np.where(t_rel[:, None], dst_box, box)
-        head = np.stack([self.tensor[need], src_name, dst_name, src_nd, dst_nd], axis=1).astype(np.int32)
-        transfers = np.concatenate([head, box, dst_box], axis=1)
+        need = self.order[expand_ranges(lo, counts)]
+        transfers = np.take(self.full_rows, need, axis=0)  # np.take: ~5x faster than [need] here
+        if self._any_mixed:  # cells whose holders store them differently: by the sender
+            m = np.flatnonzero(self.mixed[need])
+            if len(m):
+                holder = self.holders.lookup(self.set[need[m]], np.repeat(src, counts)[m])
+                transfers[m] = self._read_rows(need[m], self.ch_piece[self.cell[need[m]] + holder])
+        if relayed.any():
+            self._relay(transfers, np.repeat(relayed, counts))
         buckets = np.stack([rnd, src, dst, nbytes, counts], axis=1).astype(np.int64)
         return buckets, transfers, self.nbytes[need]
 
-    def program(self, n_rounds: int, sends: tuple, recvs: tuple) -> PackedProgram:
-        """A rank's packed program from its two `side` results, with a names table of its own."""
-        used = np.unique(np.concatenate([sends[1][:, :3].ravel(), recvs[1][:, :3].ravel()]))
-        for t in (sends[1], recvs[1]):
-            t[:, :3] = np.searchsorted(used, t[:, :3])
-        names = tuple(self.names[i] for i in used.tolist())
-        return PackedProgram(n_rounds, names, self.width, PackedSide(*sends), PackedSide(*recvs))
+    def _read_rows(self, need: np.ndarray, piece: np.ndarray) -> np.ndarray:
+        """Transfer rows of `need` read from `piece`: the need's row plus the piece's (its name,
+        leading dims, and the shift that makes the canonical box local)."""
+        rows = np.take(self.need_rows, need, axis=0)
+        rows += np.take(self.piece_rows, piece, axis=0)
+        if not self._leads:
+            return rows
+        w2, b = 2 * self.width, BOX_FIELDS
+        lead = self.piece_lead[piece]
+        for n_lead in self._leads:  # leading local dims: the canonical box moves right
+            m = np.flatnonzero(lead == n_lead)
+            boxes = np.take(self.piece_rows[:, b : b + w2], piece[m], axis=0)
+            boxes[:, 2 * n_lead :] += np.take(self.need_rows[:, b : b + w2 - 2 * n_lead], need[m], axis=0)
+            rows[m, b : b + w2] = boxes
+        return rows
+
+    def _relay(self, transfers: np.ndarray, relayed: np.ndarray) -> None:
+        """A relay copy is read where the forwarder stored it: source = destination columns."""
+        w2, b = 2 * self.width, BOX_FIELDS
+        m = np.flatnonzero(relayed)
+        rows = transfers[m]
+        rows[:, 1], rows[:, 3] = rows[:, 2], rows[:, 4]
+        rows[:, b : b + w2] = rows[:, b + w2 :]
+        transfers[m] = rows
+
+    def programs(
+        self, n_rounds: int, sends: Side, recvs: Side, send_at: np.ndarray, recv_at: np.ndarray
+    ) -> Iterator[PackedProgram]:
+        """Per rank of a `side` batch, its packed program with a names table of its own.
+
+        `send_at`/`recv_at`: where each rank's bucket rows start in `sends`/`recvs` (and the end).
+        Rewrites the batch's name ids in place.
+        """
+        scratch = np.zeros(len(self.names), dtype=np.int32)  # per call: no state shared by threads
+        for s, r in zip(_cut(sends, send_at), _cut(recvs, recv_at), strict=True):
+            names = self._localise(s.transfers, r.transfers, scratch)
+            yield PackedProgram(n_rounds, names, self.width, s, r)
+
+    def _localise(self, sends: np.ndarray, recvs: np.ndarray, scratch: np.ndarray) -> tuple[str, ...]:
+        """Renumber the name columns into the rank's own sorted names table (no sort of the
+        ids: mark each id's slot, keep one entry per id, sort only the distinct ones)."""
+        ids = np.concatenate([sends[:, :3], recvs[:, :3]]).ravel()
+        at = np.arange(len(ids), dtype=np.int32)
+        scratch[ids] = at
+        used = ids[scratch[ids] == at]
+        used.sort()
+        scratch[used] = at[: len(used)]
+        local = scratch[ids]
+        split = 3 * len(sends)
+        sends[:, :3] = local[:split].reshape(-1, 3)
+        recvs[:, :3] = local[split:].reshape(-1, 3)
+        return tuple(self._name_objects[used].tolist())
+
+
+def _cut(side: Side, bucket_at: np.ndarray) -> list[PackedSide]:
+    """`side` sliced per rank: bucket rows [bucket_at[i], bucket_at[i + 1]) and their transfers."""
+    buckets, transfers, nbytes = side
+    t_at = np.concatenate([[0], np.cumsum(buckets[:, 4])])[bucket_at].tolist()
+    b_at = bucket_at.tolist()
+    return [
+        PackedSide(buckets[b0:b1], transfers[t0:t1], nbytes[t0:t1])
+        for b0, b1, t0, t1 in zip(b_at, b_at[1:], t_at, t_at[1:], strict=False)
+    ]

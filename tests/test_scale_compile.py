@@ -1,0 +1,125 @@
+"""Every rank's program compiled in batches (`SyncPlan.rank_plans`) equals the one-rank cut
+(`for_rank`) byte for byte, and both equal the reference cut of the full plan.
+
+Batches are forced small (a few transfer rows) so that rank boundaries fall inside and between
+batches; the cases cover relay copies, cells whose holders store them under different names
+(tied embeddings) and sources with leading local dims (vLLM's fused experts as the source). The
+holder index's two lookups (dense table, sorted keys) agree with a dict. A perturbed program
+must fail the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.plan import PackedProgram, PackedSide, RankPlan, SyncPlan
+from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
+from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.planner.program import CompactPrograms
+from sync_runtime.planner.tables import HolderIndex
+from tests.test_scale_programs import CASES, reference_cut
+
+
+def _plan(case: tuple[str, str, str, str, str], bucket: int, staging: int, relay: str) -> SyncPlan:
+    model, src_layout, src, dst_layout, dst = case
+    manifest = build_manifest(load_model_config(model))
+    s, d = ParallelSpec.parse(src), ParallelSpec.parse(dst)
+    source = SideSpec(src_layout, s, tuple(enumerate_ranks(s, Role.SOURCE, 4)))
+    dest = SideSpec(dst_layout, d, tuple(enumerate_ranks(d, Role.DESTINATION, 4)))
+    config = PlannerConfig(bucket_bytes=bucket, staging_budget_bytes=staging, relay=relay)  # type: ignore[arg-type]
+    return plan_sync(manifest, source, [dest], config)
+
+
+COMPILE_CASES = [(m, "megatron", s, "vllm", d) for m, s, d in CASES] + [
+    ("tiny-qwen3-moe", "vllm", "tp=2,ep=2,replicas=2", "megatron", "tp=2,pp=2,ep=2"),
+]
+
+
+def _programs(plan: SyncPlan) -> CompactPrograms:
+    fresh = pickle.loads(pickle.dumps(plan))  # not materialised: nothing cached from `rounds`
+    programs = fresh._programs
+    assert isinstance(programs, CompactPrograms)
+    return programs
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    case=st.sampled_from(COMPILE_CASES),
+    bucket=st.sampled_from([512, 2048, 1 << 20]),
+    staging=st.sampled_from([4096, 16384, 1 << 22]),
+    relay=st.sampled_from(["off", "on"]),
+    batch=st.sampled_from([1, 7, 100, 1 << 19]),
+)
+def test_batched_programs_equal_the_single_and_reference_cuts(
+    case: tuple[str, str, str, str, str], bucket: int, staging: int, relay: str, batch: int
+) -> None:
+    plan = _plan(case, bucket, staging, relay)
+    programs = _programs(plan)
+    n = len(plan.ranks)
+    batched = list(programs.rank_plans(range(n), plan.digest, chunk_transfers=batch))
+    assert [p.rank for p in batched] == list(range(n))
+    for rank, program in enumerate(batched):
+        single = programs.rank_plan(rank, plan.digest)
+        assert pickle.dumps(program) == pickle.dumps(single)  # same arrays and names table
+        assert program == reference_cut(plan, rank)
+
+
+def test_any_rank_order_and_ranks_without_work() -> None:
+    plan = _plan(COMPILE_CASES[2], 2048, 16384, "on")
+    programs = _programs(plan)
+    n = len(plan.ranks)
+    ranks = [n + 2, *range(n - 1, -1, -2), 0, 0, n]  # reversed, repeated, past the last rank
+    got = list(programs.rank_plans(ranks, plan.digest, chunk_transfers=5))
+    assert [p.rank for p in got] == ranks
+    for rank, program in zip(ranks, got, strict=True):
+        assert pickle.dumps(program) == pickle.dumps(programs.rank_plan(rank, plan.digest))
+        if rank >= n:
+            assert not any(program.sends) and not any(program.recvs)
+        else:
+            assert program == reference_cut(plan, rank)
+    whole = list(plan.rank_plans())
+    assert whole == [plan.for_rank(rank) for rank in range(n)]
+
+
+def _moved(program: RankPlan) -> RankPlan:
+    """`program` with one received transfer's destination box shifted by one (packed arrays)."""
+    packed = program._packed
+    assert packed is not None
+    transfers = packed.recvs.transfers.copy()
+    transfers[0, -2 * packed.width] += 1
+    recvs = PackedSide(packed.recvs.buckets, transfers, packed.recvs.nbytes)
+    changed = dataclasses.replace(packed, recvs=recvs)
+    assert isinstance(changed, PackedProgram)
+    return RankPlan(program.rank, program.digest, packed=changed)
+
+
+@pytest.mark.parametrize("case", COMPILE_CASES[:3] + COMPILE_CASES[-1:])
+def test_a_perturbed_batched_program_fails_the_comparison(case: tuple[str, str, str, str, str]) -> None:
+    plan = _plan(case, 2048, 16384, "off")
+    rank = len(plan.ranks) - 1  # a destination: it receives
+    program = next(iter(_programs(plan).rank_plans([rank], plan.digest, chunk_transfers=3)))
+    assert program == reference_cut(plan, rank)
+    assert _moved(program) != reference_cut(plan, rank)
+    swapped = dataclasses.replace(program._packed, names=program._packed.names[::-1])  # type: ignore[arg-type]
+    assert RankPlan(rank, plan.digest, packed=swapped) != reference_cut(plan, rank)
+
+
+@pytest.mark.parametrize("dense_limit", [1 << 30, 0])
+def test_holder_index_lookups_agree_with_a_dict(dense_limit: int) -> None:
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1, 9, 30).tolist()
+    sets = [tuple(sorted(rng.choice(50, size=n, replace=False).tolist())) for n in sizes]
+    index = HolderIndex(sets, dense_limit=dense_limit)
+    assert (index.dense is not None) == (dense_limit > 0)
+    which = rng.integers(0, len(sets), 2000)
+    ranks = rng.integers(0, 60, 2000)  # 50..59: no holder anywhere (a relay forwarder)
+    where = [{r: h for h, r in enumerate(s)} for s in sets]
+    want = [where[s].get(r, 0) for s, r in zip(which.tolist(), ranks.tolist(), strict=True)]
+    assert index.lookup(which, ranks).tolist() == want
