@@ -120,9 +120,11 @@ def sync_spec(
 
 
 def generations(handles: Sequence[Any], prompts: Sequence[Sequence[int]] = PROMPTS) -> list[Generation]:
-    """Every replica's greedy generation of `prompts` (concurrently), MAX_TOKENS each."""
+    """Every replica's greedy generation of `prompts` (replicas concurrently), MAX_TOKENS each,
+    each prompt alone: repeatable, so replicas and engines compare bit for bit (see generate)."""
     rows = [list(p) for p in prompts]
-    return list(ray.get([h.generate.remote(rows, MAX_TOKENS) for h in handles], timeout=300))
+    calls = [h.generate.remote(rows, MAX_TOKENS, one_at_a_time=True) for h in handles]
+    return list(ray.get(calls, timeout=300))
 
 
 def rows_equal(a: Generation, b: Generation) -> int:

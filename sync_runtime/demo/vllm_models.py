@@ -107,11 +107,6 @@ def vllm_model_config(model: str) -> dict[str, Any]:
     return load_model_config(model)
 
 
-def uses_mla(config: Mapping[str, Any]) -> bool:
-    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2): vLLM's CPU kernel is not repeatable."""
-    return bool(config.get("kv_lora_rank"))
-
-
 def write_model(directory: Path, config: dict[str, Any], manifest: Manifest, seed: int, version: str) -> str:
     """An HF model dir: config.json + model.safetensors holding the demo's canonical tensors of
     (seed, version), the same bits the demo's source actors hold shards of."""

@@ -9,9 +9,9 @@ demo passes (exit 0) only when every replica's token ids and logprobs equal the 
 bit, its dummy generation differs, and the bytes each rank applied are its layout shard.
 
 Runs in the engine environment (vLLM is imported by the replica actors): `make demo
-ARGS="--engine vllm"` picks it. Refused: MLA models (vLLM's CPU MLA kernel is not repeatable
-across generate calls, so no bit-exact oracle exists on CPU), expert parallel (the CPU engine
-loses a worker during generate with it, docs/vllm.md), pipeline parallel (VllmReplica is PP 1).
+ARGS="--engine vllm"` picks it. Each prompt is generated alone (vLLM's CPU MLA kernels are not
+batch-invariant, see VllmReplica.generate). Refused: expert parallel (vLLM's CPU fused-MoE
+kernel crashes generating with it, docs/vllm.md), pipeline parallel (VllmReplica is PP 1).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -50,7 +51,7 @@ from sync_runtime.demo.vllm_deploy import (
     token_rows_equal,
     wait_ready,
 )
-from sync_runtime.demo.vllm_models import PROMPTS, model_dir_for, uses_mla, vllm_model_config
+from sync_runtime.demo.vllm_models import PROMPTS, model_dir_for, vllm_model_config
 from sync_runtime.demo.weights import bits_to_torch, reference_weights, shard_arrays
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.crd import Transport
@@ -93,17 +94,10 @@ def refusal(args: argparse.Namespace, config: dict[str, Any], dst: ParallelSpec)
         return "--engine vllm runs synthetic sources on an embedded cluster only"
     if args.verify_only:
         return "--engine vllm runs synthetic sources on an embedded cluster only"
-    if uses_mla(config):
-        return (
-            f"--engine vllm --model {args.model}: MLA (kv_lora_rank) is refused. vLLM 0.32's CPU MLA "
-            "kernel is not repeatable across generate calls of one engine (the reference differs from "
-            "itself in the last logprob bits), so no bit-exact comparison exists on CPU; the MLA sync is "
-            "checked by tests/engines/test_vllm_deepseek.py"
-        )
     if dst.pp != 1 or dst.ep != 1:
         return (
             f"--dst {dst.describe()}: --engine vllm takes tp and replicas only (the replica actor is PP 1; "
-            "vLLM's CPU engine with expert parallel loses a worker while generating)"
+            "vLLM 0.32's CPU fused-MoE kernel crashes generating with expert parallel)"
         )
     return None
 
@@ -198,8 +192,11 @@ def _applied_checksums(setup: DemoSetup, replicas: Sequence[Any], outcomes: Sequ
     for h, o in zip(replicas, outcomes, strict=True):
         for i, meta in enumerate(ray.get(h.ws_meta.remote())):
             applied = ray.get(h.ws_rank_call.remote(i, "ws_checksums", ()))
+            dtypes = ray.get(h.ws_rank_call.remote(i, "ws_staging_dtypes", ()))
             want = shard_arrays(setup.manifest, "vllm", setup.dst, meta.coord, setup.seed, VERSION)
-            expected = {n: hex_digest(checksum_tensor(bits_to_torch(a))) for n, a in want.items()}
+            # staged in the live dtype: DeepSeek's fp32 router bias is the bf16 value widened
+            tensors = {n: bits_to_torch(a).to(getattr(torch, dtypes[n])) for n, a in want.items()}
+            expected = {n: hex_digest(checksum_tensor(t)) for n, t in tensors.items()}
             o.applied.append(
                 {"pp": meta.coord.pp_rank, "tp": meta.coord.tp_rank, "applied": applied, "expected": expected}
             )

@@ -95,6 +95,21 @@ def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str
     return out
 
 
+def kernel_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor the model's modules hold as the kernels read it, KV caches excepted: packed
+    weights, buffers, and tensors vLLM derives after loading (MLA `W_UV` / `W_UK_T`). Two engines
+    holding the same weights agree on all of them; the KV cache holds past requests, not weights.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for mname, mod in model.named_modules():
+        held = [*mod._parameters.items(), *mod._buffers.items()]
+        held += [(k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and k != "kv_cache"]
+        for name, t in held:
+            if t is not None and t.device.type != "meta":
+                out[f"{mname}.{name}" if mname else name] = t.detach()
+    return out
+
+
 def check_expert_placement(vllm_config: Any) -> None:
     """The vllm layout cuts experts contiguously per EP rank: vLLM's "linear" placement."""
     pc = vllm_config.parallel_config

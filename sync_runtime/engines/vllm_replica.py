@@ -171,16 +171,25 @@ class VllmReplica:
 
     # ---- serving ----------------------------------------------------------------------------
 
-    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int = 16) -> list[dict[str, list]]:
-        """Greedy generation: per prompt the chosen token ids and their logprobs."""
+    def generate(
+        self, prompt_token_ids: list[list[int]], max_tokens: int = 16, *, one_at_a_time: bool = False
+    ) -> list[dict[str, list]]:
+        """Greedy generation: per prompt the chosen token ids and their logprobs.
+
+        `one_at_a_time`: each prompt in a batch of its own. Which requests share an engine step
+        depends on timing, and vLLM's CPU MLA kernels are not batch-invariant (the same engine's
+        batched calls differ in logprob bits and then tokens); alone, every prompt's result
+        depends on the weights only, so engines can be compared bit for bit.
+        """
         from vllm import SamplingParams
 
         params = SamplingParams(
             temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False
         )
         prompts = [{"prompt_token_ids": list(ids)} for ids in prompt_token_ids]
+        batches = [[p] for p in prompts] if one_at_a_time else [prompts]
         with self._engine:  # never concurrent with an apply (or any other collective_rpc)
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            outs = [o for batch in batches for o in self.llm.generate(batch, params, use_tqdm=False)]
         rows = []
         for o in outs:
             c = o.outputs[0]

@@ -30,6 +30,7 @@ from sync_runtime.engines.vllm_apply import (
     check_expert_placement,
     check_staged,
     engine_tensors,
+    kernel_state,
     require_supported_vllm,
 )
 from sync_runtime.errors import DestinationError, ParticipantError, StagingError, SyncStep, WeightSyncError
@@ -73,6 +74,10 @@ class VllmStaging:
     @property
     def tensors(self) -> MappingProxyType[str, torch.Tensor]:
         return MappingProxyType(self._meta)
+
+    @property
+    def staging_dtypes(self) -> MappingProxyType[str, torch.dtype]:
+        return MappingProxyType(self._staging_dtype)
 
     @property
     def staging_active(self) -> bool:
@@ -147,6 +152,7 @@ class VllmRankParticipant(WeightSyncParticipant):
 
     actor_name = ""
     actor_id = ""
+    model: torch.nn.Module | None = None
 
     def ws_meta(self) -> ParticipantMeta:
         st = self._ws_state()
@@ -171,6 +177,19 @@ class VllmRankParticipant(WeightSyncParticipant):
             group_healthy=st.group is not None and bool(st.group.healthy),
             model_config=None,
         )
+
+    def ws_kernel_checksums(self) -> dict[str, str]:
+        """Checksums of everything the kernels read (`kernel_state`): after a sync they must equal
+        those of an engine that loaded the same weights from a checkpoint, derived tensors too."""
+        if self.model is None:
+            raise ParticipantError("ws_kernel_checksums before ws_setup")
+        return {n: hex_digest(checksum_tensor(t)) for n, t in kernel_state(self.model).items()}
+
+    def ws_staging_dtypes(self) -> dict[str, str]:
+        """Per tensor, the dtype it is staged and committed in (`ws_checksums` are of that)."""
+        staging = self._ws_state().destination
+        assert isinstance(staging, VllmStaging)
+        return {n: str(d).removeprefix("torch.") for n, d in staging.staging_dtypes.items()}
 
     def ws_sha256(self) -> dict[str, str]:
         raise ParticipantError("a vLLM rank holds its weights in kernel layouts: compare ws_checksums")
@@ -257,7 +276,7 @@ class VllmWorkerExtension:
         expected = engine_tensors(model, vllm_config.model_config.dtype)
         staging = VllmStaging(expected, lambda staged: apply_shards(model, vllm_config, staged))
         part = self.participant_class()
-        part.actor_name, part.actor_id = actor_name, actor_id
+        part.actor_name, part.actor_id, part.model = actor_name, actor_id, model
         part.ws_init(role=Role.DESTINATION, coord=coord, layout="vllm", tensors={}, destination=staging)
         self._ws_part = part
         return part.ws_meta()

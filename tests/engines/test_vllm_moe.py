@@ -2,15 +2,16 @@
 
 Two destination deployments of one WeightSync: `moe-tp` (experts cut by TP: w13 [8, 128, 256]
 per rank) and `moe-ep` (EP = TP: whole experts, w13 [4, 256, 256] per rank). `moe-tp` is
-compared with the same vLLM configuration loaded normally from the reference checkpoint.
+compared with the same vLLM configuration loaded normally from the reference checkpoint, by
+generation (bit for bit) and by every tensor its kernels read.
 
-`moe-ep` is checked without generating: vLLM 0.32's CPU engine with enable_expert_parallel
-lost a worker process during its first generate in the *checkpoint-loaded* reference engine
-(no WeightSync code involved; "Worker proc VllmWorker-0 died unexpectedly"), so no oracle
-exists on CPU. For it the test checks the layout the engine reports, that every rank committed
-the version, and that the bytes each rank applied are exactly the layout's shard (checksums of
-the committed staging against the demo's canonical weights).
-"""
+`moe-ep` cannot generate on CPU: vLLM 0.32's CPU fused-MoE kernel crashes with expert parallel
+(a segfault in csrc/cpu/cpu_fused_moe.cpp in the *checkpoint-loaded* engine's first generate, no
+WeightSync code involved). It loads, though: so its oracle is an EP engine loaded from the
+checkpoint that never generates, and the synced EP engine must hold exactly its kernel state
+(every packed expert weight, norm and attention tensor, by checksum), after the first sync and
+after a second one; after a scrambled sync it must not (negative control). The bytes each rank
+applied are also checked against the layout's shard of the canonical weights."""
 
 from __future__ import annotations
 
@@ -28,7 +29,14 @@ from sync_runtime.demo.weights import bits_to_torch, shard_arrays
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
-from tests.support.vllm_deploy import deploy, destination_ref, generations, rows_equal, sync_spec
+from tests.support.vllm_deploy import (
+    deploy,
+    destination_ref,
+    generations,
+    kernel_checksums,
+    rows_equal,
+    sync_spec,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-moe"
@@ -47,6 +55,7 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         engines={"tp": ("moe-tp-r0", {"tp": 2}), "ep": ("moe-ep-r0", {"tp": 2, "ep": True})},
         references={"tp": ("ref-tp", {"tp": 2})},
         reference_calls=2,  # two generate calls, like the destinations (dummy, then synced)
+        silent_references={"ep": ("ref-ep", {"tp": 2, "ep": True})},
     ) as d:
         dsts = [destination_ref("moe-tp", NS, "moe-tp-", TP), destination_ref("moe-ep", NS, "moe-ep-", EP)]
         yield {
@@ -54,6 +63,7 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
             "engines": d.engines,
             "ref": d.reference_calls[1],
             "ref_first": d.reference_calls[0],
+            "ref_kernels": d.reference_kernels,
             "spec": sync_spec(d.setup.model, NS, d.setup.src, dsts, "v1"),
             "manifest": d.manifest,
         }
@@ -83,12 +93,15 @@ def test_sync_is_bit_identical_a_scrambled_push_differs_and_a_resync_restores(
         report = coordinator.sync("v1")
         assert report.result is SyncResult.SUCCEEDED, report.failure
         synced = dict(zip(order, generations(serving), strict=True))
+        kernels = {k: kernel_checksums(h) for k, h in engines.items()}
         train_step(dataclasses.replace(setup, seed=99), "scrambled")  # other weights, same shapes
         assert coordinator.sync("scrambled").result is SyncResult.SUCCEEDED
         scrambled = dict(zip(order, generations(serving), strict=True))
+        scrambled_kernels = {k: kernel_checksums(h) for k, h in engines.items()}
         train_step(setup, "v1")  # the reference weights again
         assert coordinator.sync("v1").result is SyncResult.SUCCEEDED
         again = dict(zip(order, generations(serving), strict=True))
+        again_kernels = {k: kernel_checksums(h) for k, h in engines.items()}
         applied = [ray.get(engines["ep"].ws_rank_call.remote(i, "ws_checksums", ())) for i in range(2)]
         metas = ray.get(engines["ep"].ws_meta.remote())
     finally:
@@ -98,6 +111,13 @@ def test_sync_is_bit_identical_a_scrambled_push_differs_and_a_resync_restores(
         assert again[key] == ref[key], key  # the second apply re-packs the experts too
         assert rows_equal(dummy[key], ref[key]) == 0, key
         assert rows_equal(scrambled[key], ref[key]) == 0, key
+    ref_kernels = deployment["ref_kernels"]
+    for key in ("tp", "ep"):  # every tensor the kernels read, the prepacked experts included
+        assert kernels[key] == ref_kernels[key], key
+        assert again_kernels[key] == ref_kernels[key], key
+        for got, want in zip(scrambled_kernels[key], ref_kernels[key], strict=True):
+            experts = [n for n in want if n.endswith(("w13_weight", "w2_weight"))]
+            assert experts and all(got[n] != want[n] for n in experts), key
     assert ray.get([h.weight_version.remote() for h in engines.values()]) == ["v1", "v1"]
     for meta, got in zip(metas, applied, strict=True):
         want = shard_arrays(deployment["manifest"], "vllm", EP, meta.coord, 0, "v1")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
@@ -41,6 +43,7 @@ __all__ = [
     "destination_ref",
     "engine_env",
     "generations",
+    "kernel_checksums",
     "rows_equal",
     "start_replica",
     "stop_replicas",
@@ -67,6 +70,14 @@ class Deployment:
     engines: dict[str, Any]
     reference_calls: list[dict[str, Generation]]
     """One entry per generate call of the reference engines (by key), in call order."""
+    reference_kernels: dict[str, list[dict[str, str]]]
+    """Per reference engine (by key), per rank: `kernel_checksums` before it was stopped."""
+
+
+def kernel_checksums(handle: Any) -> list[dict[str, str]]:
+    """Per rank of one engine: the checksum of every tensor its kernels read (derived ones too)."""
+    n = ray.get(handle.ws_num_ranks.remote())
+    return [ray.get(handle.ws_rank_call.remote(i, "ws_kernel_checksums", ())) for i in range(n)]
 
 
 EngineArgs = tuple[str, dict[str, Any]]
@@ -89,27 +100,31 @@ def deploy(
     references: Mapping[str, EngineArgs],
     reference_calls: int = 1,
     version: str = "v1",
+    silent_references: Mapping[str, EngineArgs] | None = None,
 ) -> Iterator[Deployment]:
     """Sources at v1 holding `model` (a CONFIGS key), dummy-weight engines, and reference engines
-    loaded from the checkpoint of `version`; the references generate `reference_calls` times and
-    are stopped before the body runs. Everything is stopped afterwards."""
+    loaded from the checkpoint of `version`; the references generate `reference_calls` times,
+    report their kernel checksums and are stopped before the body runs. `silent_references` only
+    report their checksums (an engine vLLM cannot generate with on CPU). Everything is stopped
+    afterwards."""
     config = CONFIGS[model]
     manifest = build_manifest(config)
     ref_dir = write_model(directory, config, manifest, seed=0, version=version)
     setup = DemoSetup.create(f"{ref_dir}/config.json", src, dst, namespace=namespace, seed=0)
     started = {k: start_replica(name, namespace, ref_dir, **kw) for k, (name, kw) in engines.items()}
-    refs = {
-        k: start_replica(name, namespace, ref_dir, load_format="auto", **kw)
-        for k, (name, kw) in references.items()
-    }
+    refs, silent = (
+        {k: start_replica(n, namespace, ref_dir, load_format="auto", **kw) for k, (n, kw) in args.items()}
+        for args in (references, silent_references or {})
+    )
     try:
         create_participants(setup, src_version="v1", dst_version="-", skip=_destinations)
-        wait_ready([*started.values(), *refs.values()], timeout_s=800)
+        wait_ready([*started.values(), *refs.values(), *silent.values()], timeout_s=800)
         calls = [
             dict(zip(refs, generations(list(refs.values())), strict=True)) for _ in range(reference_calls)
         ]
-        stop_replicas(list(refs.values()))
-        yield Deployment(setup, manifest, started, calls)
+        kernels = {k: kernel_checksums(h) for k, h in {**refs, **silent}.items()}
+        stop_replicas([*refs.values(), *silent.values()])
+        yield Deployment(setup, manifest, started, calls, kernels)
     finally:
-        stop_replicas([*started.values(), *refs.values()])
+        stop_replicas([*started.values(), *refs.values(), *silent.values()])
         kill_participants(setup)
