@@ -36,14 +36,14 @@ from sync_runtime.engines.vllm_apply import (
 from sync_runtime.errors import DestinationError, ParticipantError, StagingError, SyncStep, WeightSyncError
 from sync_runtime.runtime.participant import ParticipantMeta, WeightSyncParticipant
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
-from sync_runtime.transfer.staging import combine_checksums
+from sync_runtime.transfer.staging import StagingProgress, combine_checksums
 
 log = logging.getLogger("weightsync.vllm")
 
 Applier = Callable[[Mapping[str, torch.Tensor]], ApplyReport]
 
 
-class VllmStaging:
+class VllmStaging(StagingProgress):
     """`transfer.staging.Staging` for a vLLM rank: host staging, applied by vLLM at commit.
 
     `tensors` are meta tensors (shape and wire dtype only, no memory): the live weights are in
@@ -78,14 +78,6 @@ class VllmStaging:
     @property
     def staging_dtypes(self) -> MappingProxyType[str, torch.dtype]:
         return MappingProxyType(self._staging_dtype)
-
-    @property
-    def staging_active(self) -> bool:
-        return self._staged is not None
-
-    @property
-    def pending_version(self) -> str | None:
-        return self._pending_version
 
     def checksums(self) -> dict[str, str]:
         return dict(self._committed_sums)

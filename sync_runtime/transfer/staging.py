@@ -95,7 +95,23 @@ class MemoryMeter:
             self.peak = dict(self.current)
 
 
-class DestinationWeights:
+class StagingProgress:
+    """What every `Staging` tracks between `begin` and `commit`/`abort`: the staged buffers (None
+    when no sync is staged) and the version they are for."""
+
+    _staged: dict[str, torch.Tensor] | None = None
+    _pending_version: str | None = None
+
+    @property
+    def staging_active(self) -> bool:
+        return self._staged is not None
+
+    @property
+    def pending_version(self) -> str | None:
+        return self._pending_version
+
+
+class DestinationWeights(StagingProgress):
     """What a destination participant holds: live tensors served by the engine, plus staging.
 
     Protocol per sync: `begin(version)` -> the engine writes staged tensors -> `commit()` when
@@ -132,14 +148,6 @@ class DestinationWeights:
     def tensors(self) -> MappingProxyType[str, torch.Tensor]:
         """The live tensors (read-only mapping; do not write into them outside commit)."""
         return MappingProxyType(self._live)
-
-    @property
-    def staging_active(self) -> bool:
-        return self._staged is not None
-
-    @property
-    def pending_version(self) -> str | None:
-        return self._pending_version
 
     def checksums(self) -> dict[str, str]:
         """Per live tensor, a stable hex digest of its bytes (the same checksum the engine verifies)."""
