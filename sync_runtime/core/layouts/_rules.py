@@ -323,5 +323,6 @@ class RuleLayout:
         raise NotImplementedError
 
     def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
-        """The coordinates that decide what the rank holds (DP copies share one cached shard)."""
-        raise NotImplementedError
+        """The coordinates that decide what the rank holds (DP copies share one cached shard):
+        stage, TP rank, and EP rank where experts are split by EP (the inference layouts)."""
+        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)

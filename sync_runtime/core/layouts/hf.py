@@ -11,8 +11,6 @@ dense MLP. PP stages hold layer ranges as in `stage_layer_ranges`. DP ranks hold
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
@@ -63,19 +61,6 @@ RULES: dict[str, str] = {
     "input_layernorm.weight": "full",
     "post_attention_layernorm.weight": "full",
 }
-
-
-class HfLayout(RuleLayout):
-    name = NAME
-
-    def check(self, view: ModelView, spec: ParallelSpec) -> None:
-        _validate(view, spec)
-
-    def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
-        return _build(view, spec, coord)
-
-    def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
-        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
 
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:
@@ -188,3 +173,9 @@ def _vocab(out: ShardBuilder, t: TensorMeta, spec: ParallelSpec, r: int, padded:
         out.full(t, t.name)
     else:
         out.vocab_rows(t, t.name, padded, spec.tp, r)
+
+
+class HfLayout(RuleLayout):
+    name = NAME
+    check = staticmethod(_validate)
+    build = staticmethod(_build)

@@ -25,8 +25,6 @@ engine). Layer names keep global indices; stage ranges come from `stage_layer_ra
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
@@ -62,19 +60,6 @@ _FULL = (
     "mlp.gate.weight",
     "mlp.gate.e_score_correction_bias",
 )
-
-
-class VllmLayout(RuleLayout):
-    name = NAME
-
-    def check(self, view: ModelView, spec: ParallelSpec) -> None:
-        _validate(view, spec)
-
-    def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
-        return _build(view, spec, coord)
-
-    def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
-        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if spec.ep > 1 else 0)
 
 
 def _validate(view: ModelView, spec: ParallelSpec) -> None:
@@ -241,3 +226,9 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
         elif spec.pp > 1:  # tied: vLLM's last stage loads lm_head from the embedding
             out.vocab_rows(view.top[EMBED], LM_HEAD, vp, t, r)
     return out.done(coord)
+
+
+class VllmLayout(RuleLayout):
+    name = NAME
+    check = staticmethod(_validate)
+    build = staticmethod(_build)
