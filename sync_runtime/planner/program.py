@@ -264,11 +264,10 @@ class CompactPrograms:
     def _rank_transfers(self) -> list[int]:
         """Per rank: transfer rows of its program (sends and receives)."""
         if self._per_rank is None:
-            total = np.zeros(self.n_ranks, dtype=np.int64)
-            for order, at in ((self._by_src, self._src_at), (self._by_dst, self._dst_at)):
-                running = np.concatenate([[0], np.cumsum(self._count[order])])
-                total += running[at[1:]] - running[at[:-1]]
-            self._per_rank = total.tolist()
+            weights = self._count.astype(np.float64)  # bincount sums floats: exact below 2**53
+            sent = np.bincount(self.src, weights=weights, minlength=self.n_ranks)
+            received = np.bincount(self.dst, weights=weights, minlength=self.n_ranks)
+            self._per_rank = (sent + received).astype(np.int64).tolist()
         return self._per_rank
 
     def _compile(self, chunk: list[int], digest: str) -> Iterator[RankPlan]:
@@ -280,8 +279,9 @@ class CompactPrograms:
         sides, offsets = [], []
         for order, at in ((self._by_src, self._src_at), (self._by_dst, self._dst_at)):
             counts = np.where(inside, at[ranks + 1] - at[ranks], 0)
-            rows = order[expand_ranges(at[ranks], counts)]
-            sides.append(table.side([c[rows] for c in cols], self._pattern[self.pair[rows]]))
+            rows = np.take(order, expand_ranges(at[ranks], counts))
+            pattern = np.take(self._pattern, np.take(self.pair, rows))
+            sides.append(table.side([np.take(c, rows) for c in cols], pattern))
             offsets.append(np.concatenate([[0], np.cumsum(counts)]))
         programs = table.programs(self.n_rounds, sides[0], sides[1], offsets[0], offsets[1])
         for rank, packed in zip(chunk, programs, strict=True):

@@ -206,7 +206,7 @@ class NeedTable:
         gb = self.pat_base[pattern] + k
         lo = self.bucket_at[gb]
         counts = self.bucket_at[gb + 1] - lo
-        need = self.order[expand_ranges(lo, counts)]
+        need = np.take(self.order, expand_ranges(lo, counts))
         transfers = np.take(self.full_rows, need, axis=0)  # np.take: ~5x faster than [need] here
         if self._any_mixed:  # cells whose holders store them differently: by the sender
             m = np.flatnonzero(self.mixed[need])
@@ -216,7 +216,7 @@ class NeedTable:
         if relayed.any():
             self._relay(transfers, np.repeat(relayed, counts))
         buckets = np.stack([rnd, src, dst, nbytes, counts], axis=1).astype(np.int64)
-        return buckets, transfers, self.nbytes[need]
+        return buckets, transfers, np.take(self.nbytes, need)
 
     def _read_rows(self, need: np.ndarray, piece: np.ndarray) -> np.ndarray:
         """Transfer rows of `need` read from `piece`: the need's row plus the piece's (its name,
@@ -251,24 +251,27 @@ class NeedTable:
         `send_at`/`recv_at`: where each rank's bucket rows start in `sends`/`recvs` (and the end).
         Rewrites the batch's name ids in place.
         """
-        scratch = np.zeros(len(self.names), dtype=np.int32)  # per call: no state shared by threads
+        # Per call, not per table: no state shared by threads cutting programs at once.
+        seen = np.zeros(len(self.names), dtype=bool)
+        local = np.zeros(len(self.names), dtype=np.int32)
         for s, r in zip(_cut(sends, send_at), _cut(recvs, recv_at), strict=True):
-            names = self._localise(s.transfers, r.transfers, scratch)
+            names = self._localise(s.transfers, r.transfers, seen, local)
             yield PackedProgram(n_rounds, names, self.width, s, r)
 
-    def _localise(self, sends: np.ndarray, recvs: np.ndarray, scratch: np.ndarray) -> tuple[str, ...]:
-        """Renumber the name columns into the rank's own sorted names table (no sort of the
-        ids: mark each id's slot, keep one entry per id, sort only the distinct ones)."""
+    def _localise(
+        self, sends: np.ndarray, recvs: np.ndarray, seen: np.ndarray, local: np.ndarray
+    ) -> tuple[str, ...]:
+        """Renumber the name columns into the rank's own names table (in global id order): mark
+        the ids used, number the marked ones, gather. No sort: ~4x cheaper than np.unique."""
         ids = np.concatenate([sends[:, :3], recvs[:, :3]]).ravel()
-        at = np.arange(len(ids), dtype=np.int32)
-        scratch[ids] = at
-        used = ids[scratch[ids] == at]
-        used.sort()
-        scratch[used] = at[: len(used)]
-        local = scratch[ids]
+        seen[ids] = True
+        used = np.flatnonzero(seen)
+        seen[used] = False  # clean for the next rank
+        local[used] = np.arange(len(used), dtype=np.int32)
+        renumbered = local[ids]
         split = 3 * len(sends)
-        sends[:, :3] = local[:split].reshape(-1, 3)
-        recvs[:, :3] = local[split:].reshape(-1, 3)
+        sends[:, :3] = renumbered[:split].reshape(-1, 3)
+        recvs[:, :3] = renumbered[split:].reshape(-1, 3)
         return tuple(self._name_objects[used].tolist())
 
 
