@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sync_runtime.core import layouts as _layouts
-from sync_runtime.core.cost import predict_seconds_arrays
+from sync_runtime.core.cost import floor_seconds_arrays, predict_seconds_arrays
 from sync_runtime.core.layouts.base import Layout, Piece
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
@@ -33,7 +33,7 @@ from sync_runtime.planner.program import BucketRef, CompactPrograms, PairBook
 from sync_runtime.planner.refine import SourceCell, build_shared_cells
 from sync_runtime.planner.schedule import direct_queue, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
-from sync_runtime.planner.stats import plan_stats, schedule_arrays
+from sync_runtime.planner.stats import Fingerprint, plan_stats, schedule_arrays
 
 LayoutLookup = Callable[[str], Layout]
 BOTH_PACINGS_MAX_BUCKETS = 20_000
@@ -209,18 +209,35 @@ def _programs(
 ) -> tuple[CompactPrograms, str]:
     """Pairs and rounds: the symmetric lane schedule where it applies and fits, else greedy."""
     if not chains and _lanes.applies(ranks, direct, config):
-        book = PairBook(config.effective_bucket_bytes)
-        filled = refill(direct, config.effective_bucket_bytes)
-        found = _lanes.lane_schedule(book, filled, len(ranks), config)
+        found = _lane_programs(ranks, direct, config)
         if found is not None:
-            n_rounds, cols = found
-            return CompactPrograms(book, n_rounds, [*cols, np.zeros(len(cols[0]), dtype=bool)]), "lanes"
+            return found, "lanes"
     book = PairBook(config.effective_bucket_bytes)
     choices = SenderChooser([c.node for c in ranks]).choose_groups(direct)
     for (dst, needs), choice in zip(direct, choices, strict=True):
         book.add(dst, needs, choice)
     rounds = _schedule(ranks, book, chains, config)
     return CompactPrograms.from_refs(book, rounds), "greedy"
+
+
+def _lane_programs(
+    ranks: tuple[RankCoord, ...], direct: list[Instance], config: PlannerConfig
+) -> CompactPrograms | None:
+    """The lane schedule's programs, or None where it does not fit (or, for a plan small enough
+    to schedule greedily, predicts more than `LANES_MAX_OVER_FLOOR` times the floor)."""
+    book = PairBook(config.effective_bucket_bytes)
+    filled = refill(direct, config.effective_bucket_bytes)
+    found = _lanes.lane_schedule(book, filled, len(ranks), config)
+    if found is None:
+        return None
+    n_rounds, cols = found
+    programs = CompactPrograms(book, n_rounds, [*cols, np.zeros(len(cols[0]), dtype=bool)])
+    if _lanes.checked(filled, config):
+        arrays = schedule_arrays(ranks, _fingerprint(programs), n_rounds)
+        floor = floor_seconds_arrays(arrays, config.cost)
+        if predict_seconds_arrays(arrays, config.cost) > _lanes.LANES_MAX_OVER_FLOOR * floor:
+            return None
+    return programs
 
 
 def _schedule(
@@ -237,8 +254,8 @@ def _schedule(
         rounds = schedule_rounds(
             queues, len(ranks), config.round_bytes, config.max_fan_in, relays, pacing=pacing
         )
-        rows = [(i, b.src_rank, b.dst_rank, b.nbytes, 0) for i, r in enumerate(rounds) for b in r]
-        schedule = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        rows = [(i, b.src_rank, b.dst_rank, b.nbytes) for i, r in enumerate(rounds) for b in r]
+        schedule = np.array(rows, dtype=np.int64).reshape(-1, 4).T
         predicted = predict_seconds_arrays(schedule_arrays(ranks, schedule, len(rounds)), config.cost)
         if best is None or predicted < best[0]:
             best = (predicted, rounds)
@@ -246,10 +263,10 @@ def _schedule(
     return best[1]
 
 
-def _fingerprint(programs: CompactPrograms) -> np.ndarray:
+def _fingerprint(programs: CompactPrograms) -> Fingerprint:
     """Per bucket: round, src, dst, bytes, transfer count (the schedule, for digest and stats)."""
     sizes, counts = programs.bucket_tables()
-    return np.stack([programs.round, programs.src, programs.dst, sizes, counts], axis=1)
+    return programs.round, programs.src, programs.dst, sizes, counts
 
 
 __all__ = ["plan_sync"]

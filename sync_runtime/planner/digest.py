@@ -18,7 +18,7 @@ import numpy as np
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.planner.config import PlannerConfig, SideSpec
 
-PLANNER_VERSION = "1"
+PLANNER_VERSION = "2"
 """Bump when the planner's output for the same inputs changes."""
 
 
@@ -64,9 +64,11 @@ def inputs_encoding(manifest: Manifest, sides: Sequence[SideSpec], config: Plann
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
-def plan_digest(inputs: bytes, schedule: np.ndarray) -> str:
-    """sha256 of the input encoding and the schedule fingerprint (an int64 array)."""
+def plan_digest(inputs: bytes, schedule: Sequence[np.ndarray]) -> str:
+    """sha256 of the input encoding and the schedule fingerprint's columns (little-endian int64,
+    one column after another; hashed in place, no copy when already in that form)."""
     h = hashlib.sha256()
     h.update(inputs)
-    h.update(np.ascontiguousarray(schedule, dtype="<i8").tobytes())
+    for column in schedule:
+        h.update(memoryview(np.ascontiguousarray(column, dtype="<i8")))
     return h.hexdigest()

@@ -11,15 +11,17 @@ the segment's identical holders. So:
 - Template. Per position, its segments are packed into the lanes (largest first, shortest lane):
   segment S streams its buckets one per round from template round a_S. All templates are
   cycles of the same length L (the longest).
-- Phases. Replica j of R runs the template shifted by j * L / R rounds, modulo L: the replicas
-  reading one holder set at a given time are spread evenly, and no replica takes longer than L.
+- Phases. Replica j of R at position p of P runs the template shifted by (j + p / P) * L / R
+  rounds, modulo L: the replicas reading one holder set at a given time are spread evenly, even
+  where positions have identical templates, and no replica takes longer than L.
 - Senders. Per holder set, its occupations (replica, segment, start, length) sorted by start
   are dealt round robin over Q = k * h lanes, lane q on holder q mod h: every holder gets the same
   share (send balance), and a lane's occupations must not overlap on the cycle (checked, k grows
   until they do not). A source rank's lanes over all its holder sets must not exceed `lanes`.
 
 Nothing is built per replica but numpy rows. When a check fails, or placement offers same-node
-holders (which the greedy chooser prefers), the caller falls back to the greedy path.
+holders (which the greedy chooser prefers), the caller falls back to the greedy path; so it does
+for mid-size plans whose lane schedule predicts too far above the floor (`checked`).
 """
 
 from __future__ import annotations
@@ -34,8 +36,14 @@ from sync_runtime.planner.config import PlannerConfig
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.program import PairBook
 
-LANES_MIN_BUCKETS = 1_000_000
+LANES_MIN_BUCKETS = 100_000
 """Plans estimated at this many buckets or more try the symmetric schedule (tests lower it)."""
+LANES_CHECKED_SPAN = 10
+"""Plans under `LANES_MIN_BUCKETS * LANES_CHECKED_SPAN` buckets take the lane schedule only when
+its predicted time is within `LANES_MAX_OVER_FLOOR` of the floor, else the greedy one (finer
+choices, affordable at that size); larger ones take it whenever it fits (greedy would take
+minutes). A test that sets LANES_MIN_BUCKETS to 0 so gets the lane schedule wherever it fits."""
+LANES_MAX_OVER_FLOOR = 1.10
 Instance = tuple[int, list[Need]]
 Occupations = dict[tuple[int, ...], list[tuple[np.ndarray, np.ndarray, int, int, int]]]
 """Per holder set: (starts, dst ranks, bucket count, pattern, bytes) blocks, one per position and segment."""
@@ -47,6 +55,12 @@ def estimated_buckets(instances: Sequence[Instance], bucket_bytes: int) -> int:
         if id(needs) not in per_list:
             per_list[id(needs)] = sum(n.nbytes for n in needs) // bucket_bytes + 1
     return sum(per_list[id(needs)] for _, needs in instances)
+
+
+def checked(instances: Sequence[Instance], config: PlannerConfig) -> bool:
+    """Whether a lane schedule for `instances` must also beat `LANES_MAX_OVER_FLOOR` to be taken."""
+    limit = LANES_MIN_BUCKETS * LANES_CHECKED_SPAN
+    return estimated_buckets(instances, config.effective_bucket_bytes) < limit
 
 
 def applies(ranks: Sequence[RankCoord], instances: Sequence[Instance], config: PlannerConfig) -> bool:
@@ -101,22 +115,36 @@ def lane_schedule(
     templates = {key: _template(book, needs, lanes) for key, (needs, _) in positions.items()}
     # The longest packed lane, not sum/lanes: a lane longer than the cycle would wrap onto its own
     # start, giving a receiver more than `lanes` buckets (and peers) in one round.
-    cycle = max((longest for *_, longest in templates.values()), default=0)
-    cycle = max(cycle, 1)
+    cycle = max(max((longest for *_, longest in templates.values()), default=0), 1)
+    filed = _deal(_occupations(book, positions, templates, cycle), cycle, lanes, n_ranks)
+    if filed is None:
+        return None
+    src, dst, pattern, start = filed
+    return cycle, _rows(book, src, dst, pattern, start, cycle)
+
+
+def _occupations(
+    book: PairBook,
+    positions: dict[int, tuple[list[Need], list[int]]],
+    templates: dict[int, tuple[list[int], list[int], list[int], int]],
+    cycle: int,
+) -> Occupations:
+    """Per holder set, the blocks its segments occupy: each replica's template shifted by its phase."""
     occupations: Occupations = {}
-    for key, (needs, dsts) in positions.items():
+    n_positions = len(positions)
+    for index, (key, (needs, dsts)) in enumerate(positions.items()):
         patterns, counts, starts, _ = templates[key]
-        phase = (np.arange(len(dsts), dtype=np.int64) * cycle) // len(dsts)
+        # Replica j at position `index`: shifted by (j + index / positions) replica spacings, so
+        # positions whose templates coincide (symmetric shards) do not all start a holder set's
+        # segment in the same round either.
+        spacing = len(dsts) * n_positions
+        phase = ((np.arange(len(dsts), dtype=np.int64) * n_positions + index) * cycle) // spacing
         dst_arr = np.asarray(dsts, dtype=np.int64)
         for (ranks, _), p, n, a in zip(book.segments(needs), patterns, counts, starts, strict=True):
             if n:
                 block = ((a + phase) % cycle, dst_arr, n, p, sum(book.patterns[p].sizes))
                 occupations.setdefault(ranks, []).append(block)
-    filed = _deal(occupations, cycle, lanes, n_ranks)
-    if filed is None:
-        return None
-    src, dst, pattern, start = filed
-    return cycle, _rows(book, src, dst, pattern, start, cycle)
+    return occupations
 
 
 def _columns(blocks: list[tuple]) -> tuple[np.ndarray, ...]:
