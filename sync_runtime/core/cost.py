@@ -72,21 +72,46 @@ def _node_ids(nodes: Sequence[str]) -> np.ndarray:
     return np.array([index.setdefault(n, len(index)) for n in nodes], dtype=np.int64)
 
 
+SLOTS_PER_PASS = 1 << 20
+"""(round, rank) slots `round_seconds` works on at once. Rounds go in slices so its per-slot
+arrays stay a few MB and are reused from slice to slice: one pass over a 4,096-destination plan
+(6.4 M slots) allocated ~0.5 GB afresh, and its page faults were most of the model's time."""
+
+
 def round_seconds(buckets: BucketArrays, cost: LinkCost) -> np.ndarray:
     """Predicted duration of every round (see the module docstring for the model)."""
     if buckets.n_rounds == 0:
         return np.zeros(0)
-    size = buckets.n_rounds * buckets.n_ranks
-    # Flat (round, rank) slots, computed once per side: large plans have ~10 M buckets and as
-    # many slots, and each pass over them costs tens of milliseconds.
-    at_src = buckets.round_index * buckets.n_ranks + buckets.src_rank
-    at_dst = buckets.round_index * buckets.n_ranks + buckets.dst_rank
-    weights = buckets.nbytes.astype(np.float64)
-    nic = _busiest_side(at_src, at_dst, weights, ~buckets.intra, size)
-    nvl = _busiest_side(at_src, at_dst, weights, buckets.intra, size)
+    columns = (buckets.round_index, buckets.src_rank, buckets.dst_rank, buckets.nbytes, buckets.intra)
+    if not bool((columns[0][1:] >= columns[0][:-1]).all()):  # plans list buckets in round order
+        order = np.argsort(columns[0], kind="stable")
+        columns = tuple(c[order] for c in columns)
+    step = max(1, SLOTS_PER_PASS // buckets.n_ranks)
+    firsts = np.arange(0, buckets.n_rounds, step)
+    edges = np.searchsorted(columns[0], np.append(firsts, buckets.n_rounds)).tolist()
+    out = np.empty(buckets.n_rounds)
+    for n, first in enumerate(firsts.tolist()):
+        rounds = min(step, buckets.n_rounds - first)
+        rows = [c[edges[n] : edges[n + 1]] for c in columns]
+        out[first : first + rounds] = _slice_seconds(rows, first, rounds, buckets.n_ranks, cost)
+    return out
+
+
+def _slice_seconds(
+    rows: Sequence[np.ndarray], first: int, rounds: int, n_ranks: int, cost: LinkCost
+) -> np.ndarray:
+    """Durations of rounds first .. first + rounds - 1, from their buckets `rows` (round, src,
+    dst, bytes, intra); each (round, rank) slot index is computed once per side."""
+    rnd, src, dst, nbytes, intra = rows
+    size = rounds * n_ranks
+    at_src = (rnd - first) * n_ranks + src
+    at_dst = (rnd - first) * n_ranks + dst
+    weights = nbytes.astype(np.float64)
+    nic = _busiest_side(at_src, at_dst, weights, ~intra, size)
+    nvl = _busiest_side(at_src, at_dst, weights, intra, size)
     messages = np.bincount(at_src, minlength=size) + np.bincount(at_dst, minlength=size)
     rank_time = nic / cost.nic_bytes_per_s + nvl / cost.intra_node_bytes_per_s + messages * cost.latency_s
-    return rank_time.reshape(buckets.n_rounds, buckets.n_ranks).max(axis=1)
+    return rank_time.reshape(rounds, n_ranks).max(axis=1)
 
 
 def _busiest_side(
