@@ -14,7 +14,7 @@ A hand-made plan (tests) gives `rounds` directly; its per-rank index is built on
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -114,11 +114,14 @@ class PackedProgram:
     width: int
     sends: PackedSide
     recvs: PackedSide
+    plain_names: bool = field(default=False, compare=False)
+    """True where the maker checked that no name holds NAME_SEP (the planner's tables check each
+    name once), so pickling need not scan the joined names for it."""
 
     def __reduce__(self) -> tuple:
         # The names as one string: a tuple of thousands of names was ~70% of pickling a program.
         joined = NAME_SEP.join(self.names)
-        if joined.count(NAME_SEP) != max(len(self.names) - 1, 0):  # a name holds the separator
+        if not self.plain_names and joined.count(NAME_SEP) != max(len(self.names) - 1, 0):
             return (PackedProgram, (self.n_rounds, self.names, self.width, self.sends, self.recvs))
         return (_joined_program, (self.n_rounds, len(self.names), joined, self.width, self.sends, self.recvs))
 
@@ -127,7 +130,7 @@ def _joined_program(
     n_rounds: int, n_names: int, joined: str, width: int, sends: PackedSide, recvs: PackedSide
 ) -> PackedProgram:
     names = tuple(joined.split(NAME_SEP)) if n_names else ()
-    return PackedProgram(n_rounds, names, width, sends, recvs)
+    return PackedProgram(n_rounds, names, width, sends, recvs, plain_names=True)
 
 
 class RankPlan:

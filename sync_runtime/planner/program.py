@@ -27,8 +27,9 @@ from sync_runtime.planner.tables import NeedTable, expand_ranges
 Segments = list[tuple[tuple[int, ...], list[int]]]
 """A needs list's holder sets, in first-appearance order, with their need indices."""
 PerRound = tuple[tuple[Bucket, ...], ...]
-CHUNK_TRANSFERS = 1 << 19
-"""Transfer rows per batch of `CompactPrograms.rank_plans` (~100 B of arrays each while cut)."""
+CHUNK_TRANSFERS = 1 << 17
+"""Transfer rows per batch of `CompactPrograms.rank_plans` (~100 B of arrays each while cut;
+batches this small stay under malloc's mmap threshold, so their memory is reused, not refaulted)."""
 
 
 class BucketRef:

@@ -20,7 +20,7 @@ from itertools import chain
 import numpy as np
 
 from sync_runtime.core.layouts.base import Box, Piece
-from sync_runtime.core.plan import BOX_FIELDS, PackedProgram, PackedSide
+from sync_runtime.core.plan import BOX_FIELDS, NAME_SEP, PackedProgram, PackedSide
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.refine import SourceCell
 
@@ -88,12 +88,13 @@ class NeedTable:
         self._columns(np.array(ints, dtype=np.int64).reshape(-1, 10))
         self._patterns(bases, patterns)
         self._name_objects = np.array(self.names, dtype=object)
+        self._plain_names = not any(NAME_SEP in name for name in self.names)
 
     def _needs(self, needs_lists: Sequence[list[Need]]) -> tuple[list[int], list[int]]:
         """One pass over the needs: 10 ints each (see `_columns`); cells filed at first sight.
         Names are numbered in the order the per-need tables always did (tensor, destination,
         then the cell's holders)."""
-        name, box = self._name, self._box
+        names, boxes = self._name_ids, self._boxes  # inlined lookups: this loop is the build
         cells: dict[int, tuple[int, int, bool]] = {}  # id(cell) -> `_cell`
         bases: list[int] = []
         ints: list[int] = []
@@ -102,12 +103,17 @@ class NeedTable:
             bases.append(count)
             count += len(needs)
             for n in needs:
-                tensor, dst = name(n.tensor), name(n.dst_name)
+                tensor, dst = names.get(n.tensor), names.get(n.dst_name)
+                if tensor is None or dst is None:
+                    tensor, dst = self._name(n.tensor), self._name(n.dst_name)
                 cell = cells.get(id(n.cell))
                 if cell is None:
                     cell = cells[id(n.cell)] = self._cell(n.cell)
                 canon_box, dst_box = n.canon_box, n.dst_box
-                ints += (tensor, dst, len(canon_box), len(dst_box), box(canon_box), box(dst_box),
+                canon_at, dst_at = boxes.get(canon_box), boxes.get(dst_box)
+                if canon_at is None or dst_at is None:
+                    canon_at, dst_at = self._box(canon_box), self._box(dst_box)
+                ints += (tensor, dst, len(canon_box), len(dst_box), canon_at, dst_at,
                          cell[0], cell[1], n.nbytes, cell[2])  # fmt: skip
         return bases, ints
 
@@ -256,7 +262,7 @@ class NeedTable:
         local = np.zeros(len(self.names), dtype=np.int32)
         for s, r in zip(_cut(sends, send_at), _cut(recvs, recv_at), strict=True):
             names = self._localise(s.transfers, r.transfers, seen, local)
-            yield PackedProgram(n_rounds, names, self.width, s, r)
+            yield PackedProgram(n_rounds, names, self.width, s, r, plain_names=self._plain_names)
 
     def _localise(
         self, sends: np.ndarray, recvs: np.ndarray, seen: np.ndarray, local: np.ndarray
