@@ -109,7 +109,8 @@ def build_cells(pieces: Iterable[tuple[int, Piece]]) -> dict[str, list[SourceCel
 def build_shared_cells(
     groups: Iterable[tuple[Sequence[int], Sequence[Piece]]],
 ) -> dict[str, list[SourceCell]]:
-    """`build_cells` over (ranks, pieces) groups: ranks (ascending) that all hold `pieces`.
+    """`build_cells` over (ranks, pieces) groups: ranks (ascending) that all hold `pieces`, the
+    groups in order of their first rank (then cells come in the same order as rank by rank).
 
     DP copies share one cached shard, so grouping them visits each piece once per group, not
     once per rank (~1 M pieces on 8,192 source ranks, ~120 k distinct). Holders end in rank
