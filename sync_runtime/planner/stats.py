@@ -26,7 +26,8 @@ def schedule_arrays(
 ) -> BucketArrays:
     """The cost model's view of a schedule fingerprint (its first four columns are used)."""
     node_index: dict[str, int] = {}
-    node = np.array([node_index.setdefault(c.node, len(node_index)) for c in ranks], dtype=np.int64)
+    # 32-bit ids: the two per-bucket gathers below then write half the memory
+    node = np.array([node_index.setdefault(c.node, len(node_index)) for c in ranks], dtype=np.int32)
     rnd, src, dst, nbytes = schedule[:4]
     return BucketArrays(rnd, src, dst, nbytes, node[src] == node[dst], len(ranks), n_rounds)
 
