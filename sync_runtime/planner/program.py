@@ -8,7 +8,10 @@ across replicas and positions (the same segments go to one sender), so they are 
 
 A scheduled bucket is a `BucketRef` (pair, bucket index within its pattern); after scheduling the
 refs become flat arrays with per-rank CSR indices, so `rank_buckets` touches only that rank's
-rows and builds `Transfer` objects for them alone.
+rows and builds `Transfer` objects for them alone. Packed programs (`rank_plans`) are cut for a
+batch of ranks at once: their rows taken from the CSR indices one rank after the other, gathered
+in one pass over the need table (tables.py), then sliced per rank; one rank (`rank_plan`) is a
+batch of one, so both give the same arrays.
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ class NeedTable:
                 transfers[m] = self._read_rows(need[m], self.ch_piece[self.cell[need[m]] + holder])
         if relayed.any():
             self._relay(transfers, np.repeat(relayed, counts))
-        buckets = np.stack([rnd, src, dst, nbytes, counts], axis=1).astype(np.int64)
+        buckets = np.stack([rnd, src, dst, nbytes, counts], axis=1).astype(np.int64, copy=False)
         return buckets, transfers, np.take(self.nbytes, need)
 
     def _read_rows(self, need: np.ndarray, piece: np.ndarray) -> np.ndarray:
