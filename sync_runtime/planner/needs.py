@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sync_runtime.core.layouts.base import Box, RankShard, box_numel
+from sync_runtime.core.layouts.base import Box, Piece, RankShard, box_numel
 from sync_runtime.core.manifest import DTYPE_BYTES, TensorMeta
 from sync_runtime.errors import LayoutError
 from sync_runtime.planner.refine import SourceCell, intersect, split_rows, to_local
@@ -49,6 +49,7 @@ class NeedBuilder:
         self._pattern_ids: dict[tuple[Box, ...], int] = {}
         self._tensor_pattern: dict[str, int] = {}
         self._cuts: dict[tuple[int, Box, int], list[tuple[int, Box]]] = {}
+        self._placed: dict[tuple[int, Box, int, Box], list[tuple[int, Box, Box, int]]] = {}
 
     def _pattern(self, tensor: str) -> int:
         pid = self._tensor_pattern.get(tensor)
@@ -76,6 +77,18 @@ class NeedBuilder:
             self._cuts[key] = cut
         return cut
 
+    def _placed_cut(self, piece: Piece, itemsize: int, where: str) -> list[tuple[int, Box, Box, int]]:
+        """`_cut` of the piece with each chunk's local box and bytes: cached by box pattern and
+        local box too, which the experts of every layer share (saves a `to_local` per need)."""
+        key = (self._pattern(piece.tensor), piece.canon_box, itemsize, piece.local_box)
+        placed = self._placed.get(key)
+        if placed is None:
+            placed = self._placed[key] = [
+                (index, sub, to_local(sub, piece.canon_box, piece.local_box), box_numel(sub) * itemsize)
+                for index, sub in self._cut(piece.tensor, piece.canon_box, itemsize, where)
+            ]
+        return placed
+
     def needs(self, shard: RankShard, where: str) -> list[Need]:
         """The needs of one destination shard, in piece order. `where` names the rank in errors."""
         out: list[Need] = []
@@ -87,9 +100,8 @@ class NeedBuilder:
                 raise LayoutError(
                     f"tensor {piece.tensor}: {where} needs it but no source rank holds any of it"
                 )
-            itemsize = DTYPE_BYTES[meta.dtype]
             cells = self._cells[piece.tensor]
-            for index, sub in self._cut(piece.tensor, piece.canon_box, itemsize, where):
+            for index, sub, dst_box, nbytes in self._placed_cut(piece, DTYPE_BYTES[meta.dtype], where):
                 cell = cells[index]
                 out.append(
                     Need(
@@ -97,8 +109,8 @@ class NeedBuilder:
                         cell=cell,
                         canon_box=sub,
                         dst_name=piece.local_name,
-                        dst_box=to_local(sub, piece.canon_box, piece.local_box),
-                        nbytes=box_numel(sub) * itemsize,
+                        dst_box=dst_box,
+                        nbytes=nbytes,
                         sources=[None] * len(cell.holders),
                     )
                 )
