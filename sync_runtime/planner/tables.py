@@ -269,7 +269,8 @@ class NeedTable:
     ) -> tuple[str, ...]:
         """Renumber the name columns into the rank's own names table (in global id order): mark
         the ids used, number the marked ones, gather. No sort: ~4x cheaper than np.unique."""
-        ids = np.concatenate([sends[:, :3], recvs[:, :3]]).ravel()
+        # intp indices: numpy indexes ~3x faster with them than with the rows' int32
+        ids = np.concatenate([sends[:, :3], recvs[:, :3]]).ravel().astype(np.intp)
         seen[ids] = True
         used = np.flatnonzero(seen)
         seen[used] = False  # clean for the next rank
