@@ -245,7 +245,7 @@ class CompactPrograms:
 
     def rank_plan(self, rank: int, digest: str) -> RankPlan:
         """`rank`'s packed program: gathers over its own rows (see tables.py), no objects."""
-        return next(self.rank_plans([rank], digest))
+        return next(self._compile([rank], digest))  # a batch of one: as `rank_plans` cuts it
 
     def rank_plans(
         self, ranks: Iterable[int], digest: str, chunk_transfers: int = CHUNK_TRANSFERS
