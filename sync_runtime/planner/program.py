@@ -250,7 +250,7 @@ class CompactPrograms:
         self._src_at = np.concatenate([[0], np.cumsum(np.bincount(self.src, minlength=n_ranks))])
         self._dst_at = np.concatenate([[0], np.cumsum(np.bincount(self.dst, minlength=n_ranks))])
         self.n_ranks = n_ranks
-        self._nbytes, self._count = self.bucket_tables()
+        self._nbytes, self._count = self._bucket_tables()
         self._pattern = np.asarray(book.pair_pattern, dtype=np.int64)
         self._table: NeedTable | None = None
         self._per_rank: list[int] | None = None
@@ -262,7 +262,11 @@ class CompactPrograms:
         return cls(book, len(rounds), [arr[:, c].copy() for c in range(6)])
 
     def bucket_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per row: bytes and transfer count (from the patterns, vectorised)."""
+        """Per row: bytes and transfer count (computed once, with the programs; shared, not copied)."""
+        return self._nbytes, self._count
+
+    def _bucket_tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """`bucket_tables` from the patterns, vectorised."""
         patterns = self.book.patterns
         first = np.concatenate([[0], np.cumsum([len(p.sizes) for p in patterns])]).astype(np.int64)
         sizes = np.array([n for p in patterns for n in p.sizes], dtype=np.int64)
