@@ -8,7 +8,7 @@ tensor plus the destination piece's box), which many tensors share (every expert
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sync_runtime.core.layouts.base import Box, Piece, RankShard, box_numel
 from sync_runtime.core.manifest import DTYPE_BYTES, TensorMeta
@@ -26,16 +26,20 @@ class Need:
     dst_name: str
     dst_box: Box
     nbytes: int
-    sources: list[tuple[int, str, Box] | None] = field(default_factory=list)
-    """Per holder of `cell`: (its rank, its local tensor, the region there). Filled on first use."""
+    sources: list[tuple[int, str, Box] | None] | None = None
+    """Per holder of `cell`: (its rank, its local tensor, the region there). Filled on first use;
+    None until then (dense needs have hundreds of holders and most needs are never asked)."""
 
     def source(self, holder: int) -> tuple[int, str, Box]:
         """Where holder `holder` of the cell reads this need from."""
-        found = self.sources[holder]
+        sources = self.sources
+        if sources is None:
+            sources = self.sources = [None] * len(self.cell.holders)
+        found = sources[holder]
         if found is None:
             rank, piece = self.cell.holders[holder]
             found = (rank, piece.local_name, to_local(self.canon_box, piece.canon_box, piece.local_box))
-            self.sources[holder] = found
+            sources[holder] = found
         return found
 
 
@@ -111,7 +115,6 @@ class NeedBuilder:
                         dst_name=piece.local_name,
                         dst_box=dst_box,
                         nbytes=nbytes,
-                        sources=[None] * len(cell.holders),
                     )
                 )
         return out

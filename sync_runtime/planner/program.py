@@ -150,7 +150,7 @@ class PairBook:
             if need.cell.ranks is not ranks:  # consecutive needs mostly share a holder set
                 ranks = need.cell.ranks
                 h = ranks.index(sender)
-            _, name, box = need.sources[h] or need.source(h)
+            _, name, box = need.source(h)
             out.append(Transfer(src, dst, need.tensor, name, box, need.dst_name, need.dst_box, need.nbytes))
         return tuple(out)
 
