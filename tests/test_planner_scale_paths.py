@@ -4,7 +4,8 @@
 - the cost model in round slices equals a per-bucket reference, in any bucket order;
 - light holder sets dealt from a heap choose what per-occupation argmin choices would;
 - the lane schedule, forced onto small plans, keeps the planner's invariants, and its quality
-  gate for mid-size plans falls back to the greedy schedule.
+  gate for mid-size plans falls back to the greedy schedule;
+- the sliced counting sort and per-rank byte sums equal numpy's stable argsort and one bincount.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from sync_runtime.core.cost import BucketArrays, LinkCost
 from sync_runtime.core.layouts.base import Piece
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role
-from sync_runtime.planner import PlannerConfig, lanes
+from sync_runtime.planner import PlannerConfig, columns, lanes
 from sync_runtime.planner.refine import build_cells, build_shared_cells
 from tests.test_planner_properties import Case, run_case, side
 
@@ -162,3 +163,28 @@ def test_forced_lane_schedule_is_exact_and_gated(spec: tuple, monkeypatch: pytes
     assert run_case(_case(*spec)).digest == forced.digest  # the gate passes: same plan
     monkeypatch.setattr(lanes, "LANES_MAX_OVER_FLOOR", 0.0)
     assert run_case(_case(*spec)).stats["scheduler"] == "greedy"
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("slice_rows", [1, 7, 1 << 20])
+def test_grouped_equals_stable_argsort(seed: int, slice_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(columns, "GROUP_SLICE", slice_rows)
+    rng = np.random.default_rng(seed)
+    n_keys = int(rng.choice([1, 3, 521, 40_000]))  # 40,000: past the 16-bit radix keys
+    keys = rng.integers(0, n_keys, int(rng.integers(0, 300))).astype(np.int32)
+    order, at = columns.grouped(keys, n_keys)
+    assert order.tolist() == np.argsort(keys, kind="stable").tolist()
+    assert at.tolist() == [0, *np.cumsum(np.bincount(keys, minlength=n_keys)).tolist()]
+    if len(keys) > 1 and len(set(keys.tolist())) > 1:  # negative control: an unstable order differs
+        assert order.tolist() != np.argsort(keys, kind="stable")[::-1].tolist()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_bytes_per_rank_in_slices_equals_one_bincount(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cost_model, "SLOTS_PER_PASS", 5)
+    rng = np.random.default_rng(seed)
+    ranks = rng.integers(0, 9, 101).astype(np.int32)
+    nbytes = rng.integers(1, 1 << 40, 101)
+    got = cost_model.bytes_per_rank(ranks, nbytes, 9)
+    want = [sum(int(b) for r, b in zip(ranks, nbytes, strict=True) if r == rank) for rank in range(9)]
+    assert got.astype(np.int64).tolist() == want

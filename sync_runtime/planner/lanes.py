@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sync_runtime.core.topology import RankCoord, Role
+from sync_runtime.planner.columns import grouped, index_dtype
 from sync_runtime.planner.config import PlannerConfig
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.program import PairBook
@@ -284,31 +285,32 @@ def _rows(
     book: PairBook, src: np.ndarray, dst: np.ndarray, pattern: np.ndarray, start: np.ndarray, cycle: int
 ) -> list[np.ndarray]:
     """File the pairs in `book` and expand them to bucket rows, sorted by round (stable: pair,
-    then bucket order within a round).
+    then bucket order within a round): round, src, dst, pair, k (columns.index_dtype).
 
     Every bucket-sized array here is fresh memory (page faults cost as much as the arithmetic at
-    8.5 M buckets), so temporaries are 32-bit and updated in place; one gather runs over all
-    buckets (their pair), the other columns come from per-pair arrays, which stay in cache."""
+    8.5 M buckets), so columns and temporaries are 32-bit where they fit and updated in place;
+    one gather runs over all buckets (their pair), the other columns come from per-pair arrays,
+    which stay in cache."""
     first = len(book.pair_src)
     book.pair_src.extend(src.tolist())
     book.pair_dst.extend(dst.tolist())
     book.pair_pattern.extend(pattern.tolist())
     counts = np.asarray([len(p.sizes) for p in book.patterns], dtype=np.int64)[pattern]
     total = int(counts.sum())
-    narrow = np.int32 if total < 1 << 31 else np.int64
+    largest_rank = max(int(src.max(initial=0)), int(dst.max(initial=0)))
+    narrow = index_dtype(max(total, cycle, first + len(src), largest_rank))
     # Bucket b of the concatenation is bucket b - offset[p] of its pair p, in round start[p] + that.
     offsets = np.cumsum(counts) - counts
     rnd = np.repeat((start - offsets).astype(narrow), counts)
     rnd += np.arange(total, dtype=narrow)
     rnd %= cycle
-    # rounds fit in 16 bits at any realistic size: numpy's stable sort is then a radix sort
-    order = np.argsort(rnd.astype(np.int16) if cycle < 1 << 15 else rnd, kind="stable")
+    order, at = grouped(rnd, cycle)
+    del rnd
     local = np.repeat(np.arange(len(src), dtype=narrow), counts)[order]
     del order
-    rnd_sorted = np.repeat(np.arange(cycle, dtype=np.int64), np.bincount(rnd, minlength=cycle))
-    del rnd
+    rnd_sorted = np.repeat(np.arange(cycle, dtype=narrow), np.diff(at))
     k = rnd_sorted - start.astype(narrow)[local]
     k %= cycle
-    pair = local.astype(np.int64)
-    pair += first
-    return [rnd_sorted, src[local], dst[local], pair, k]
+    src_rows, dst_rows = src.astype(narrow)[local], dst.astype(narrow)[local]
+    local += first  # in place: the pair's index in `book`
+    return [rnd_sorted, src_rows, dst_rows, local, k]

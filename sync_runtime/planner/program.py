@@ -24,6 +24,7 @@ import numpy as np
 
 from sync_runtime.core.layouts.base import Box
 from sync_runtime.core.plan import Bucket, RankPlan, Round, Transfer
+from sync_runtime.planner.columns import grouped, narrow
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.senders import Choice
 from sync_runtime.planner.tables import NeedTable, expand_ranges
@@ -235,20 +236,19 @@ class CompactPrograms:
     """A plan's buckets as arrays (round, src, dst, pair, k, relayed) with per-rank indices."""
 
     def __init__(self, book: PairBook, n_rounds: int, columns: Sequence[np.ndarray]):
-        """`columns`: round, src, dst, pair, k, relayed per bucket, in round order."""
+        """`columns`: round, src, dst, pair, k, relayed per bucket, in round order. Index columns
+        are kept 32-bit where they fit (columns.py), so are the per-rank CSR orders."""
         self.book = book
         self.n_rounds = n_rounds
+        n_buckets = len(columns[0])
         self.round, self.src, self.dst, self.pair, self.k = (
-            np.asarray(c, dtype=np.int64) for c in columns[:5]
+            narrow(c, max(n_rounds, n_buckets, len(book.pair_src))) for c in columns[:5]
         )
         self.relayed = np.asarray(columns[5], dtype=bool)
         n_ranks = int(max(self.src.max(initial=-1), self.dst.max(initial=-1))) + 1
         # Rows are in round order; a stable sort keeps each rank's buckets in that order.
-        narrow = np.int16 if n_ranks < 1 << 15 else np.int64  # 16-bit keys: numpy sorts by radix
-        self._by_src = np.argsort(self.src.astype(narrow), kind="stable")
-        self._by_dst = np.argsort(self.dst.astype(narrow), kind="stable")
-        self._src_at = np.concatenate([[0], np.cumsum(np.bincount(self.src, minlength=n_ranks))])
-        self._dst_at = np.concatenate([[0], np.cumsum(np.bincount(self.dst, minlength=n_ranks))])
+        self._by_src, self._src_at = grouped(self.src, n_ranks)
+        self._by_dst, self._dst_at = grouped(self.dst, n_ranks)
         self.n_ranks = n_ranks
         self._nbytes, self._count = self._bucket_tables()
         self._pattern = np.asarray(book.pair_pattern, dtype=np.int64)
@@ -266,12 +266,14 @@ class CompactPrograms:
         return self._nbytes, self._count
 
     def _bucket_tables(self) -> tuple[np.ndarray, np.ndarray]:
-        """`bucket_tables` from the patterns, vectorised."""
+        """`bucket_tables` from the patterns, vectorised (32-bit where the values fit)."""
         patterns = self.book.patterns
         first = np.concatenate([[0], np.cumsum([len(p.sizes) for p in patterns])]).astype(np.int64)
-        sizes = np.array([n for p in patterns for n in p.sizes], dtype=np.int64)
-        counts = np.concatenate([np.diff(p.bounds) for p in patterns]).astype(np.int64) if patterns else sizes
-        flat = first[np.asarray(self.book.pair_pattern, dtype=np.int64)[self.pair]] + self.k
+        sizes = narrow([n for p in patterns for n in p.sizes])
+        counts = narrow(np.concatenate([np.diff(p.bounds) for p in patterns]) if patterns else [])
+        flat = narrow(first, int(first[-1]))[np.asarray(self.book.pair_pattern, dtype=np.int64)]
+        flat = flat[self.pair]
+        flat += self.k
         return sizes[flat], counts[flat]
 
     def _per_round(self, rows: np.ndarray) -> PerRound:

@@ -6,7 +6,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sync_runtime.core.cost import BucketArrays, LinkCost, floor_seconds_arrays, predict_seconds_arrays
+from sync_runtime.core.cost import (
+    SLOTS_PER_PASS,
+    BucketArrays,
+    LinkCost,
+    bytes_per_rank,
+    floor_seconds_arrays,
+    predict_seconds_arrays,
+)
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import RankCoord
 
@@ -29,7 +36,11 @@ def schedule_arrays(
     # 32-bit ids: the two per-bucket gathers below then write half the memory
     node = np.array([node_index.setdefault(c.node, len(node_index)) for c in ranks], dtype=np.int32)
     rnd, src, dst, nbytes = schedule[:4]
-    return BucketArrays(rnd, src, dst, nbytes, node[src] == node[dst], len(ranks), n_rounds)
+    intra = np.empty(len(src), dtype=bool)
+    for at in range(0, len(src), SLOTS_PER_PASS):  # slices: the gathers' temporaries are reused
+        part = slice(at, at + SLOTS_PER_PASS)
+        np.equal(node[src[part]], node[dst[part]], out=intra[part])
+    return BucketArrays(rnd, src, dst, nbytes, intra, len(ranks), n_rounds)
 
 
 def plan_stats(plan: SyncPlan, schedule: Fingerprint, tensors: int, lower_bound: int, cost: LinkCost) -> dict:
@@ -41,8 +52,8 @@ def plan_stats(plan: SyncPlan, schedule: Fingerprint, tensors: int, lower_bound:
     n = len(plan.ranks)
     arrays = schedule_arrays(plan.ranks, schedule, plan.n_rounds)
     src, dst, nbytes = arrays.src_rank, arrays.dst_rank, arrays.nbytes
-    send = np.bincount(src, weights=nbytes, minlength=n).astype(np.int64)
-    recv = np.bincount(dst, weights=nbytes, minlength=n).astype(np.int64)
+    send = bytes_per_rank(src, nbytes, n).astype(np.int64)
+    recv = bytes_per_rank(dst, nbytes, n).astype(np.int64)
     max_send, mean_send = _max_mean(send)
     max_recv, mean_recv = _max_mean(recv)
     return {
