@@ -180,29 +180,33 @@ def _light(
     that needs fewer lanes than it has holders must not reserve a lane on each of them (dense
     and replicated tensors: 64 or 512 holders, two or three streams at a time).
 
-    Plain Python over a heap of (load, holder position): ~600k occupations at 4096 destinations,
-    where numpy calls on tiny arrays cost ~14 us each. Ties go to the earlier holder, as argmin."""
-    starts, lengths, nbytes = (c.tolist() for c in (cols[0], cols[2], cols[4]))
-    heap = [(int(load[r]), i) for i, r in enumerate(ranks)]
+    Plain Python over a heap: ~600k occupations at 4096 destinations, where numpy calls on tiny
+    arrays cost ~14 us each. Heap entries are load * width + holder position, one int: ordered
+    as (load, position) tuples (ties go to the earlier holder, as argmin) but compared and
+    stored without a tuple each."""
+    order = np.argsort(cols[0], kind="stable")
+    width = len(ranks)
+    heap = [int(load[r]) * width + i for i, r in enumerate(ranks)]
     heapq.heapify(heap)
     rows = [busy.row(r) for r in ranks]
-    out = [0] * len(starts)
-    for i in np.argsort(cols[0], kind="stable").tolist():
-        s, n = starts[i], lengths[i]
-        skipped: list[tuple[int, int]] = []
-        while heap and not _free(rows[heap[0][1]], s, n, cycle, lanes):
+    picked: list[int] = []  # holder positions, in start order
+    for s, n, nbytes in zip(*(c[order].tolist() for c in (cols[0], cols[2], cols[4])), strict=True):
+        skipped: list[int] = []
+        while heap and not _free(rows[heap[0] % width], s, n, cycle, lanes):
             skipped.append(heapq.heappop(heap))  # the least loaded almost always has a free lane
         if not heap:
             return None
-        held, h = heap[0]
-        _occupy(rows[h], s, n, cycle)
-        heapq.heapreplace(heap, (held + nbytes[i], h))
+        key = heap[0]
+        _occupy(rows[key % width], s, n, cycle)
+        heapq.heapreplace(heap, key + nbytes * width)
         for entry in skipped:
             heapq.heappush(heap, entry)
-        out[i] = ranks[h]
-    for held, h in heap:
-        load[ranks[h]] = held
-    return np.asarray(out, dtype=np.int64)
+        picked.append(key % width)
+    for key in heap:
+        load[ranks[key % width]] = key // width
+    out = np.empty(len(order), dtype=np.int64)
+    out[order] = np.asarray(ranks, dtype=np.int64)[picked]
+    return out
 
 
 class _BusyRows:
@@ -222,6 +226,8 @@ class _BusyRows:
 
 def _free(row: list[int], start: int, n: int, cycle: int, lanes: int) -> bool:
     """Whether `row` has a lane free in every round of [start, start + n) (cyclic)."""
+    if n == 1:  # most light occupations (one bucket): no slice to build
+        return row[start] < lanes
     end = start + n
     if end <= cycle:
         return max(row[start:end]) < lanes
@@ -229,6 +235,9 @@ def _free(row: list[int], start: int, n: int, cycle: int, lanes: int) -> bool:
 
 
 def _occupy(row: list[int], start: int, n: int, cycle: int) -> None:
+    if n == 1:
+        row[start] += 1
+        return
     for t in range(start, start + n):
         row[t % cycle] += 1
 
