@@ -156,7 +156,8 @@ def _columns(blocks: list[tuple]) -> tuple[np.ndarray, ...]:
 
 
 def _heavy(cols: tuple[np.ndarray, ...], ranks: tuple[int, ...], cycle: int, lanes: int) -> np.ndarray | None:
-    """Holders dealt round robin over k lanes per holder (a set busy enough to use all holders)."""
+    """Holders dealt round robin over k lanes per holder (a set busy enough to use all holders):
+    per occupation, its holder's position in `ranks`."""
     starts, lengths = cols[0], cols[2]
     order = np.argsort(starts, kind="stable")
     h = len(ranks)
@@ -165,7 +166,7 @@ def _heavy(cols: tuple[np.ndarray, ...], ranks: tuple[int, ...], cycle: int, lan
         return None
     holder = np.empty(len(order), dtype=np.int64)
     holder[order] = (np.arange(len(order)) % (k * h)) % h
-    return np.asarray(ranks, dtype=np.int64)[holder]
+    return holder
 
 
 def _light(
@@ -251,23 +252,27 @@ def _deal(
     lane counts they leave are what the light sets may use, greedily."""
     sets = [(ranks, _columns(blocks)) for ranks, blocks in occupations.items()]
     light = [-(-int(c[2].sum()) // cycle) < len(r) for r, c in sets]
-    keys: list[np.ndarray] = []
     load = np.zeros(n_ranks, dtype=np.int64)
+    # Streams per (holder rank, round), added set by set: a flat bincount over all heavy buckets
+    # would build two ~8 M arrays (fresh pages cost as much as the counting). Rows of ranks no
+    # set holds stay untouched zero pages.
+    top = 1 + max((max(ranks) for ranks in occupations), default=-1)
+    busy = np.zeros((top, cycle), dtype=np.int32)
     out: list[tuple[np.ndarray, ...]] = []
     for (ranks, cols), is_light in zip(sets, light, strict=True):
         if is_light:
             continue
-        src = _heavy(cols, ranks, cycle, lanes)
-        if src is None:
+        holder = _heavy(cols, ranks, cycle, lanes)
+        if holder is None:
             return None
         starts, lengths = cols[0], cols[2]
         rounds = (np.repeat(starts, lengths) + _within(lengths)) % cycle
-        keys.append(np.repeat(src, lengths) * cycle + rounds)
+        streams = np.bincount(np.repeat(holder, lengths) * cycle + rounds, minlength=len(ranks) * cycle)
+        held = np.asarray(ranks, dtype=np.int64)
+        busy[held] += streams.reshape(len(ranks), cycle).astype(np.int32)
+        src = held[holder]
         load += np.bincount(src, weights=cols[4], minlength=n_ranks).astype(np.int64)
         out.append((src, cols[1], cols[3], cols[0]))
-    flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
-    busy = np.bincount(flat, minlength=n_ranks * cycle).reshape(n_ranks, cycle)
-    del flat, keys
     if busy.max(initial=0) > lanes:
         return None
     rows = _BusyRows(busy)
@@ -279,7 +284,8 @@ def _deal(
             out.append((src, cols[1], cols[3], cols[0]))
     cols4 = [np.concatenate([o[c] for o in out]) if out else np.zeros(0, dtype=np.int64) for c in range(4)]
     # Pairs in receiver order, as the greedy path files them (stable: segment order kept).
-    by_dst = np.argsort(cols4[1], kind="stable")
+    narrow = np.int16 if n_ranks < 1 << 15 else np.int64  # 16-bit keys: numpy sorts by radix
+    by_dst = np.argsort(cols4[1].astype(narrow), kind="stable")
     src, dst, pattern, start = (c[by_dst] for c in cols4)
     return src, dst, pattern, start
 
