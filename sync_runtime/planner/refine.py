@@ -138,8 +138,12 @@ def build_shared_cells(
     for cell in out_of_order.values():
         cell.holders.sort(key=itemgetter(0))
     out = {name: refine(list(cells.values())) for name, cells in by_tensor.items()}
+    # Equal holder sets as one tuple object: the planner keys dicts by them (tuples do not cache
+    # their hash, but equal keys that are one object compare at once) and hashes each object once.
+    shared: dict[tuple[int, ...], tuple[int, ...]] = {}
     for cells in out.values():
         for cell in cells:
             if not cell.ranks:  # merged or refined cells (a cell has at least one holder)
-                cell.ranks = tuple([rank for rank, _ in cell.holders])
+                ranks = tuple([rank for rank, _ in cell.holders])
+                cell.ranks = shared.setdefault(ranks, ranks)
     return out
