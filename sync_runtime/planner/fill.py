@@ -14,37 +14,46 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sync_runtime.core.layouts.base import Box, box_numel
+from sync_runtime.core.layouts.base import Box
 from sync_runtime.planner.needs import Need
-from sync_runtime.planner.refine import to_local
 
 Instance = tuple[int, list[Need]]
 
 
-def _head(box: Box, itemsize: int, room: int) -> tuple[Box, Box] | None:
-    """`box` cut along its first dim of extent > 1 into the most rows that fit `room` bytes."""
+def _cut(box: Box, dim: int, at: int) -> tuple[Box, Box]:
+    """`box` cut along `dim` before index `at`."""
+    lo, hi = box[dim]
+    return (*box[:dim], (lo, at), *box[dim + 1 :]), (*box[:dim], (at, hi), *box[dim + 1 :])
+
+
+def _head(need: Need, room: int) -> tuple[Need, Need] | None:
+    """`need` cut along its first dim of extent > 1 into the most rows that fit `room` bytes, and
+    the rest. Its destination box is cut the same rows: a local box is the canonical one under
+    leading unit dims (layouts.base), so no `to_local` is needed."""
+    box = need.canon_box
     dim = next((d for d, (lo, hi) in enumerate(box) if hi - lo > 1), None)
     if dim is None:
         return None
     lo, hi = box[dim]
-    rows = room // (box_numel(box) * itemsize // (hi - lo))
+    row_bytes = need.nbytes // (hi - lo)
+    rows = room // row_bytes
     if rows <= 0 or rows >= hi - lo:
         return None
-    return (
-        (*box[:dim], (lo, lo + rows), *box[dim + 1 :]),
-        (*box[:dim], (lo + rows, hi), *box[dim + 1 :]),
-    )
+    local = len(need.dst_box) - len(box) + dim
+    canon = _cut(box, dim, lo + rows)
+    dst = _cut(need.dst_box, local, need.dst_box[local][0] + rows)
+    nbytes = rows * row_bytes
+    return _sub(need, canon[0], dst[0], nbytes), _sub(need, canon[1], dst[1], need.nbytes - nbytes)
 
 
-def _sub(need: Need, canon: Box, itemsize: int) -> Need:
+def _sub(need: Need, canon: Box, dst: Box, nbytes: int) -> Need:
     return Need(
         tensor=need.tensor,
         cell=need.cell,
         canon_box=canon,
         dst_name=need.dst_name,
-        dst_box=to_local(canon, need.canon_box, need.dst_box),
-        nbytes=box_numel(canon) * itemsize,
-        sources=[None] * len(need.cell.holders),
+        dst_box=dst,
+        nbytes=nbytes,
     )
 
 
@@ -56,10 +65,9 @@ def _refill(needs: list[Need], bucket_bytes: int) -> list[Need]:
         ranks = need.cell.ranks
         size = used.get(ranks, 0)
         if size and size + need.nbytes > bucket_bytes:
-            itemsize = need.nbytes // box_numel(need.canon_box)
-            cut = _head(need.canon_box, itemsize, bucket_bytes - size)
+            cut = _head(need, bucket_bytes - size)
             if cut is not None:
-                head, tail = _sub(need, cut[0], itemsize), _sub(need, cut[1], itemsize)
+                head, tail = cut
                 out.append(head)
                 size += head.nbytes
                 need = tail

@@ -157,7 +157,8 @@ def _columns(blocks: list[tuple]) -> tuple[np.ndarray, ...]:
 
 
 def _heavy(cols: tuple[np.ndarray, ...], ranks: tuple[int, ...], cycle: int, lanes: int) -> np.ndarray | None:
-    """Holders dealt round robin over k lanes per holder (a set busy enough to use all holders)."""
+    """Holders dealt round robin over k lanes per holder (a set busy enough to use all holders):
+    per occupation, its holder's position in `ranks`."""
     starts, lengths = cols[0], cols[2]
     order = np.argsort(starts, kind="stable")
     h = len(ranks)
@@ -166,7 +167,7 @@ def _heavy(cols: tuple[np.ndarray, ...], ranks: tuple[int, ...], cycle: int, lan
         return None
     holder = np.empty(len(order), dtype=np.int64)
     holder[order] = (np.arange(len(order)) % (k * h)) % h
-    return np.asarray(ranks, dtype=np.int64)[holder]
+    return holder
 
 
 def _light(
@@ -181,29 +182,33 @@ def _light(
     that needs fewer lanes than it has holders must not reserve a lane on each of them (dense
     and replicated tensors: 64 or 512 holders, two or three streams at a time).
 
-    Plain Python over a heap of (load, holder position): ~600k occupations at 4096 destinations,
-    where numpy calls on tiny arrays cost ~14 us each. Ties go to the earlier holder, as argmin."""
-    starts, lengths, nbytes = (c.tolist() for c in (cols[0], cols[2], cols[4]))
-    heap = [(int(load[r]), i) for i, r in enumerate(ranks)]
+    Plain Python over a heap: ~600k occupations at 4096 destinations, where numpy calls on tiny
+    arrays cost ~14 us each. Heap entries are load * width + holder position, one int: ordered
+    as (load, position) tuples (ties go to the earlier holder, as argmin) but compared and
+    stored without a tuple each."""
+    order = np.argsort(cols[0], kind="stable")
+    width = len(ranks)
+    heap = [int(load[r]) * width + i for i, r in enumerate(ranks)]
     heapq.heapify(heap)
     rows = [busy.row(r) for r in ranks]
-    out = [0] * len(starts)
-    for i in np.argsort(cols[0], kind="stable").tolist():
-        s, n = starts[i], lengths[i]
-        skipped: list[tuple[int, int]] = []
-        while heap and not _free(rows[heap[0][1]], s, n, cycle, lanes):
+    picked: list[int] = []  # holder positions, in start order
+    for s, n, nbytes in zip(*(c[order].tolist() for c in (cols[0], cols[2], cols[4])), strict=True):
+        skipped: list[int] = []
+        while heap and not _free(rows[heap[0] % width], s, n, cycle, lanes):
             skipped.append(heapq.heappop(heap))  # the least loaded almost always has a free lane
         if not heap:
             return None
-        held, h = heap[0]
-        _occupy(rows[h], s, n, cycle)
-        heapq.heapreplace(heap, (held + nbytes[i], h))
+        key = heap[0]
+        _occupy(rows[key % width], s, n, cycle)
+        heapq.heapreplace(heap, key + nbytes * width)
         for entry in skipped:
             heapq.heappush(heap, entry)
-        out[i] = ranks[h]
-    for held, h in heap:
-        load[ranks[h]] = held
-    return np.asarray(out, dtype=np.int64)
+        picked.append(key % width)
+    for key in heap:
+        load[ranks[key % width]] = key // width
+    out = np.empty(len(order), dtype=np.int64)
+    out[order] = np.asarray(ranks, dtype=np.int64)[picked]
+    return out
 
 
 class _BusyRows:
@@ -223,6 +228,8 @@ class _BusyRows:
 
 def _free(row: list[int], start: int, n: int, cycle: int, lanes: int) -> bool:
     """Whether `row` has a lane free in every round of [start, start + n) (cyclic)."""
+    if n == 1:  # most light occupations (one bucket): no slice to build
+        return row[start] < lanes
     end = start + n
     if end <= cycle:
         return max(row[start:end]) < lanes
@@ -230,6 +237,9 @@ def _free(row: list[int], start: int, n: int, cycle: int, lanes: int) -> bool:
 
 
 def _occupy(row: list[int], start: int, n: int, cycle: int) -> None:
+    if n == 1:
+        row[start] += 1
+        return
     for t in range(start, start + n):
         row[t % cycle] += 1
 
@@ -243,23 +253,27 @@ def _deal(
     lane counts they leave are what the light sets may use, greedily."""
     sets = [(ranks, _columns(blocks)) for ranks, blocks in occupations.items()]
     light = [-(-int(c[2].sum()) // cycle) < len(r) for r, c in sets]
-    keys: list[np.ndarray] = []
     load = np.zeros(n_ranks, dtype=np.int64)
+    # Streams per (holder rank, round), added set by set: a flat bincount over all heavy buckets
+    # would build two ~8 M arrays (fresh pages cost as much as the counting). Rows of ranks no
+    # set holds stay untouched zero pages.
+    top = 1 + max((max(ranks) for ranks in occupations), default=-1)
+    busy = np.zeros((top, cycle), dtype=np.int32)
     out: list[tuple[np.ndarray, ...]] = []
     for (ranks, cols), is_light in zip(sets, light, strict=True):
         if is_light:
             continue
-        src = _heavy(cols, ranks, cycle, lanes)
-        if src is None:
+        holder = _heavy(cols, ranks, cycle, lanes)
+        if holder is None:
             return None
         starts, lengths = cols[0], cols[2]
         rounds = (np.repeat(starts, lengths) + _within(lengths)) % cycle
-        keys.append(np.repeat(src, lengths) * cycle + rounds)
+        streams = np.bincount(np.repeat(holder, lengths) * cycle + rounds, minlength=len(ranks) * cycle)
+        held = np.asarray(ranks, dtype=np.int64)
+        busy[held] += streams.reshape(len(ranks), cycle).astype(np.int32)
+        src = held[holder]
         load += np.bincount(src, weights=cols[4], minlength=n_ranks).astype(np.int64)
         out.append((src, cols[1], cols[3], cols[0]))
-    flat = np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)
-    busy = np.bincount(flat, minlength=n_ranks * cycle).reshape(n_ranks, cycle)
-    del flat, keys
     if busy.max(initial=0) > lanes:
         return None
     rows = _BusyRows(busy)
@@ -271,7 +285,8 @@ def _deal(
             out.append((src, cols[1], cols[3], cols[0]))
     cols4 = [np.concatenate([o[c] for o in out]) if out else np.zeros(0, dtype=np.int64) for c in range(4)]
     # Pairs in receiver order, as the greedy path files them (stable: segment order kept).
-    by_dst = np.argsort(cols4[1], kind="stable")
+    narrow = np.int16 if n_ranks < 1 << 15 else np.int64  # 16-bit keys: numpy sorts by radix
+    by_dst = np.argsort(cols4[1].astype(narrow), kind="stable")
     src, dst, pattern, start = (c[by_dst] for c in cols4)
     return src, dst, pattern, start
 

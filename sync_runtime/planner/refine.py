@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from sync_runtime.core.layouts.base import Box, Piece, box_numel
 
@@ -118,7 +119,8 @@ def build_shared_cells(
     their order)."""
     by_tensor: dict[str, dict[Box, SourceCell]] = {}
     out_of_order: dict[int, SourceCell] = {}
-    for ranks, pieces in groups:
+    for group, pieces in groups:
+        ranks = tuple(group)
         for piece in pieces:
             cells = by_tensor.get(piece.tensor)
             if cells is None:
@@ -126,19 +128,22 @@ def build_shared_cells(
             holders = [(rank, piece) for rank in ranks]
             cell = cells.get(piece.canon_box)
             if cell is None:
-                cells[piece.canon_box] = SourceCell(piece.canon_box, holders)
+                # One group's cell: its ranks are the group's tuple, shared (most cells: experts).
+                cells[piece.canon_box] = SourceCell(piece.canon_box, holders, ranks)
                 continue
             if cell.holders[-1][0] > ranks[0]:
                 out_of_order[id(cell)] = cell
             cell.holders.extend(holders)
+            cell.ranks = ()  # several groups: from the merged holders, below
     for cell in out_of_order.values():
-        cell.holders.sort(key=_holder_rank)
+        cell.holders.sort(key=itemgetter(0))
     out = {name: refine(list(cells.values())) for name, cells in by_tensor.items()}
+    # Equal holder sets as one tuple object: the planner keys dicts by them (tuples do not cache
+    # their hash, but equal keys that are one object compare at once) and hashes each object once.
+    shared: dict[tuple[int, ...], tuple[int, ...]] = {}
     for cells in out.values():
         for cell in cells:
-            cell.ranks = tuple([rank for rank, _ in cell.holders])
+            if not cell.ranks:  # merged or refined cells (a cell has at least one holder)
+                ranks = tuple([rank for rank, _ in cell.holders])
+                cell.ranks = shared.setdefault(ranks, ranks)
     return out
-
-
-def _holder_rank(holder: tuple[int, Piece]) -> int:
-    return holder[0]

@@ -260,9 +260,9 @@ class RankCache:
     """
 
     def __init__(self) -> None:
-        self._by_model: OrderedDict[tuple[int, ParallelSpec], tuple[ModelView, dict[Hashable, RankShard]]] = (
-            OrderedDict()
-        )
+        self._by_model: OrderedDict[
+            tuple[int, ParallelSpec], tuple[ModelView, dict[Hashable, RankShard], dict[Hashable, object]]
+        ] = OrderedDict()
 
     def get(
         self,
@@ -280,7 +280,7 @@ class RankCache:
             with gc_paused():
                 check()
             # The entry holds the view, so its id cannot be reused while the entry lives.
-            entry = self._by_model[model_key] = (view, {})
+            entry = self._by_model[model_key] = (view, {}, {})
             while len(self._by_model) > _MAX_CACHED:
                 self._by_model.popitem(last=False)
         shards = entry[1]
@@ -291,6 +291,18 @@ class RankCache:
         if shard.coord == coord:
             return shard
         return RankShard(coord, shard.tensors, shard.pieces)
+
+    def part(self, view: ModelView, spec: ParallelSpec, key: Hashable, build: Callable[[], object]) -> object:
+        """A value several shards of `view` and `spec` share (what all EP ranks of one stage and TP
+        rank hold, say): built once while those shards are cached, dropped with them."""
+        entry = self._by_model.get((id(view), spec))
+        if entry is None or entry[0] is not view:  # a build outside `get`: nothing to share with
+            return build()
+        parts = entry[2]
+        found = parts.get(key)
+        if found is None:
+            found = parts[key] = build()
+        return found
 
 
 class RuleLayout:

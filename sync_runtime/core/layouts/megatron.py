@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import cast
 
 from sync_runtime.core.layouts._rules import (
     EMBED,
@@ -170,7 +171,9 @@ class MegatronLayout(RuleLayout):
         _validate(view, spec, self.naming)
 
     def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
-        return _build(view, spec, coord, self.naming)
+        key = ("stage", coord.pp_rank, coord.tp_rank)
+        stage = self._cache.part(view, spec, key, lambda: _stage(view, spec, coord, self.naming))
+        return _build(spec, coord, self.naming, cast(Stage, stage))
 
     def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
         moe = bool(view.dims.moe_layers)
@@ -227,12 +230,16 @@ def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
             d.shared_intermediate, t, "mlp.shared_experts.gate_proj.weight", "shared intermediate", name
         )
     check_coverage(
-        view, name, lambda out, layer, dense: _layer(out, view, layer, dense, "", spec, _ZERO, naming)
+        view, name, lambda out, layer, dense: _layer(out, view, layer, dense, "", spec, _ZERO, naming, [])
     )
 
 
 # Layer rules read the same tensors on every rank; coverage is proven once, on this coordinate.
 _ZERO = RankCoord(role=Role.SOURCE)
+Slot = tuple[int, int, str, LayerView]
+"""Where a layer's routed experts go in its stage's shard: the tensor and piece counts before
+them, the layer's name prefix, the layer."""
+Stage = tuple[RankShard, list[Slot]]
 
 
 def _qkv(out: ShardBuilder, view: ModelView, p: str, dense: dict[str, TensorMeta], t: int, r: int) -> None:
@@ -326,6 +333,7 @@ def _layer(
     spec: ParallelSpec,
     coord: RankCoord,
     naming: Naming,
+    slots: list[Slot],
 ) -> None:
     t, r = spec.tp, coord.tp_rank
     _attention(out, view, p, dense, t, r, naming)
@@ -345,14 +353,17 @@ def _layer(
         )
         out.split(dense[s + "down_proj.weight"], f"{p}{s}linear_fc2.weight", 1, t, r)
     if layer.experts:
-        _experts(out, p, layer, spec, coord, naming)
+        slots.append((len(out.tensors), len(out.pieces), p, layer))
     for canon, local in _FULL.items():
         if canon in dense:
             out.full(dense[canon], p + local)
 
 
-def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord, naming: Naming) -> RankShard:
+def _stage(view: ModelView, spec: ParallelSpec, coord: RankCoord, naming: Naming) -> Stage:
+    """What every rank of `coord`'s stage and TP rank holds but routed experts (the same on all
+    its EP ranks: built once for them), and the slots their experts go in."""
     out = ShardBuilder()
+    slots: list[Slot] = []
     chunks = chunk_ranges(view.dims.num_layers, spec)[coord.pp_rank]
     t, r = spec.tp, coord.tp_rank
     vp = round_up(view.dims.vocab, VOCAB_MULTIPLE_PER_TP * t)
@@ -365,11 +376,26 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord, naming: Naming
             out.vocab_rows(view.top[EMBED], f"{prefix}embedding.word_embeddings.weight", vp, t, r)
         for j, i in enumerate(layers):
             layer = view.layers[i]
-            _layer(out, view, layer, layer.dense, f"{prefix}decoder.layers.{j}.", spec, coord, naming)
+            _layer(out, view, layer, layer.dense, f"{prefix}decoder.layers.{j}.", spec, coord, naming, slots)
         if post:
             out.full(view.top[FINAL_NORM], f"{prefix}decoder.final_layernorm.weight")
             if LM_HEAD in view.top:
                 out.vocab_rows(view.top[LM_HEAD], f"{prefix}output_layer.weight", vp, t, r)
             elif not pre:  # tied: a copy of the embedding, identical bytes
                 out.vocab_rows(view.top[EMBED], f"{prefix}output_layer.weight", vp, t, r)
+    return out.done(coord), slots
+
+
+def _build(spec: ParallelSpec, coord: RankCoord, naming: Naming, stage: Stage) -> RankShard:
+    """`coord`'s shard: its stage's shard with `coord`'s routed experts in their slots."""
+    dense, slots = stage
+    out = ShardBuilder()
+    t0 = p0 = 0
+    for t1, p1, prefix, layer in slots:
+        out.tensors.extend(dense.tensors[t0:t1])
+        out.pieces.extend(dense.pieces[p0:p1])
+        _experts(out, prefix, layer, spec, coord, naming)
+        t0, p0 = t1, p1
+    out.tensors.extend(dense.tensors[t0:])
+    out.pieces.extend(dense.pieces[p0:])
     return out.done(coord)
