@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -342,21 +340,19 @@ def test_vllm_ep_experts_not_divisible() -> None:
         MegatronLayout().validate(model("tiny-qwen3-moe"), ParallelSpec(tp=1, dp=3, etp=3))
 
 
-# ---------------------------------------------------------------- speed (the planner's Kimi-K2 case)
+# ---------------------------------------------------------------- the planner's Kimi-K2 case
 
 
-def test_kimi_k2_shard_speed() -> None:
+def test_kimi_k2_shards_hold_every_expert_once() -> None:
+    """Every Kimi-K2 shard at the scale bench's 384-rank topology builds (how long it takes is
+    measured by `make bench-scale`, not asserted here), and every routed expert has one holder."""
     m = build_manifest(load_model_config("kimi-k2"))
     # 61 layers over 8 stages: Megatron needs explicit stage sizes (its layout string) for that.
     counts = (8, 8, 8, 8, 8, 7, 7, 7)
     src, dst = ParallelSpec(tp=8, pp=8, dp=4, ep=32, layer_counts=counts), ParallelSpec(tp=16, ep=16)
     src_ranks, dst_ranks = enumerate_ranks(src, SRC), enumerate_ranks(dst, DST)
     meg, vl = MegatronLayout(), VllmLayout()  # fresh caches
-    start = time.process_time()
     shards = [meg.shard(m, src, c) for c in src_ranks] + [vl.shard(m, dst, c) for c in dst_ranks]
-    elapsed = time.process_time() - start
-    # Target from the planner's brief: < ~1.5 s on one core; measured ~0.6-0.9 s CPU here.
-    assert elapsed < 1.5, f"{elapsed:.2f} s CPU for {len(shards)} shards"
     expert_pieces = sum(1 for s in shards[: len(src_ranks)] for p in s.pieces if ".experts." in p.tensor)
     # tp*dp = 32 = ep, so edp = 1: every expert tensor is held by exactly one source rank.
     assert expert_pieces == 60 * 384 * 3
