@@ -4,8 +4,9 @@
 Batches are forced small (a few transfer rows) so that rank boundaries fall inside and between
 batches; the cases cover relay copies, cells whose holders store them under different names
 (tied embeddings) and sources with leading local dims (vLLM's fused experts as the source). The
-holder index's two lookups (dense table, sorted keys) agree with a dict. A perturbed program
-must fail the comparison.
+holder index's two lookups (dense table, sorted keys) agree with a dict. Rows blocks shared by
+ranks (from the cache) pickle as blocks built afresh. A perturbed program (a moved box, reversed
+names, a transfer pointing at another transfer's row) must fail the comparison.
 """
 
 from __future__ import annotations

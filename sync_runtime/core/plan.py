@@ -7,7 +7,8 @@ its buckets once; rounds run in order. A bucket is one flat message between one 
 A planned `SyncPlan` is backed by compact `RankPrograms` (the planner's per-pair patterns and
 per-bucket arrays, see planner/program.py): `for_rank` cuts one rank's program from indices built
 once, `rank_plans` many ranks' in batched passes, and `rounds` (every bucket as objects) is only
-materialised when someone asks for it.
+materialised when someone asks for it. A cut program is packed (`PackedProgram`): per side its
+bucket rows, and its transfers as indices into a block of distinct rows that ranks share.
 A hand-made plan (tests) gives `rounds` directly; its per-rank index is built on first use.
 """
 

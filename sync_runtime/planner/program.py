@@ -9,9 +9,14 @@ across replicas and positions (the same segments go to one sender), so they are 
 A scheduled bucket is a `BucketRef` (pair, bucket index within its pattern); after scheduling the
 refs become flat arrays with per-rank CSR indices, so `rank_buckets` touches only that rank's
 rows and builds `Transfer` objects for them alone. Packed programs (`rank_plans`) are cut for a
-batch of ranks at once: their rows taken from the CSR indices one rank after the other, gathered
-in one pass over the need table (tables.py), then sliced per rank; one rank (`rank_plan`) is a
-batch of one, so both give the same arrays.
+batch of ranks at once: bucket rows and per-transfer indices gathered from the CSR indices in one
+pass, then per rank a side is its bucket rows, its transfers' indices and a block of distinct
+rows (core/plan.py PackedSide). Blocks repeat across ranks, so they are built once and cached:
+a sender's is its patterns' rows (it sends each pattern to ~20 replicas: its rows once, not once
+per bucket), a receiver's is its needs list's rows (every replica at a destination position
+receives that list, in other buckets from other senders: one block per position). Relay copies
+and cells whose holders store them differently fall back to one block per distinct bucket.
+One rank (`rank_plan`) is a batch of one, so both give the same bytes.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ holder reads it from. Per distinct piece (DP copies share one: a few hundred for
 million holder entries): the row that turns a need's canonical box into the holder's local box
 (local name, leading local dims, and the shift from canonical to local coordinates, see
 refine.to_local), in the same packed columns, so a transfer row is one need row plus one piece
-row. Per pattern bucket: the range of its needs in one flat order. Boxes are `width`
-zero-padded (lo, hi) pairs (core/plan.py PackedSide). `side` cuts the rows of many ranks' buckets
-at once; `programs` slices them per rank and gives each rank its own names table.
+row. Per pattern bucket: the range of its needs in one flat order (`order`, with each need's
+index within its needs list in `order_local`). Boxes are `width` zero-padded (lo, hi) pairs
+(core/plan.py PackedRows). `rows` builds a block of transfer rows with its own names table;
+blocks are shared by ranks (program.py), so names are renumbered once per block, not per rank.
 """
 
 from __future__ import annotations
