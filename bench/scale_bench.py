@@ -3,9 +3,10 @@
 Each case runs in a fresh process (`--child NAME`), so its peak memory (ru_maxrss) is its own.
 Figures per case: CPU seconds of planning and of all per-rank programs (cut in batches by
 `SyncPlan.rank_plans`, each pickled on its own), peak memory, the largest rank program's pickled
-bytes against a pickle of just its transfers, wire bytes against the lower bound, send max/mean
-and predicted against floor. CPU time, not wall time: the machine is shared. Prints only; exits 0
-either way (a benchmark, not a test).
+bytes against a pickle of just its transfers (and the largest such ratio over a sample of ranks of
+both sides: every 97th, the largest sender and the largest receiver), wire bytes against the
+lower bound, send max/mean and predicted against floor. CPU time, not wall time: the machine is
+shared. Prints only; exits 0 either way (a benchmark, not a test).
 Usage: python bench/scale_bench.py [--only NAME] [--ranks N]  (--ranks: programs of N ranks only)
 """
 
@@ -46,28 +47,43 @@ def _transfers_bytes(rank_plan: object) -> int:
 
 
 def _programs(plan: object, n_ranks: int) -> dict:
-    """Cut (in batches, `rank_plans`) and pickle every rank's program; the largest one's figures."""
+    """Cut (in batches, `rank_plans`) and pickle every rank's program; the largest one's figures,
+    and the largest ratio of a program to its transfers over a sample of ranks."""
     started = time.process_time()
-    largest = (0, 0, 0)
-    total = 0
+    sizes = []
     for program in plan.rank_plans(range(n_ranks)):  # type: ignore[attr-defined]
         blob = pickle.dumps(program, protocol=pickle.HIGHEST_PROTOCOL)
-        total += len(blob)
-        if len(blob) > largest[1]:
-            largest = (program.rank, len(blob), 0)
+        sizes.append(len(blob))
     seconds = time.process_time() - started
-    rank_plan = plan.for_rank(largest[0])  # type: ignore[attr-defined]
+    largest = max(range(n_ranks), key=sizes.__getitem__, default=0)
+    rank_plan = plan.for_rank(largest)  # type: ignore[attr-defined]
     tracemalloc.start()
     pickle.loads(pickle.dumps(rank_plan, protocol=pickle.HIGHEST_PROTOCOL))
     participant_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    # Rows blocks are per side and shared, so a sender's names table could outgrow its needs:
+    # check the ratio on a sample covering both sides, the largest sender and receiver included.
+    n_src = sum(1 for r in plan.ranks if r.role.name == "SOURCE")  # type: ignore[attr-defined]
+    n_src = min(n_src, n_ranks)
+    sample = set(range(0, n_ranks, 97))
+    for lo, hi in ((0, n_src), (n_src, n_ranks)):
+        if hi > lo:
+            sample.add(max(range(lo, hi), key=sizes.__getitem__))
+    worst = (0.0, 0)
+    for rank in sorted(sample):
+        floor = _transfers_bytes(plan.for_rank(rank))  # type: ignore[attr-defined]
+        if floor:
+            worst = max(worst, (sizes[rank] / floor, rank))
     return {
         "programs_cpu_s": seconds,
-        "programs_pickled_total": total,
-        "largest_rank": largest[0],
-        "largest_program_bytes": largest[1],
+        "programs_pickled_total": sum(sizes),
+        "largest_rank": largest,
+        "largest_program_bytes": sizes[largest] if sizes else 0,
         "largest_transfers_bytes": _transfers_bytes(rank_plan),
         "participant_unpickle_peak_bytes": participant_peak,
+        "sampled_ranks": len(sample),
+        "sampled_max_ratio": worst[0],
+        "sampled_max_ratio_rank": worst[1],
     }
 
 
@@ -113,6 +129,10 @@ def report(name: str, r: dict) -> None:
         f"{r['largest_transfers_bytes']:,} B for its transfers alone "
         f"({r['largest_program_bytes'] / max(1, r['largest_transfers_bytes']):.2f}x); "
         f"unpickling peak {r['participant_unpickle_peak_bytes'] / 2**20:.1f} MiB"
+    )
+    print(
+        f"  program / its transfers, largest over {r['sampled_ranks']} sampled ranks (both sides): "
+        f"{r['sampled_max_ratio']:.2f}x (rank {r['sampled_max_ratio_rank']})"
     )
     print(f"  all programs pickled: {r['programs_pickled_total'] / 2**20:.1f} MiB")
     wire = (

@@ -4,8 +4,9 @@
 Batches are forced small (a few transfer rows) so that rank boundaries fall inside and between
 batches; the cases cover relay copies, cells whose holders store them under different names
 (tied embeddings) and sources with leading local dims (vLLM's fused experts as the source). The
-holder index's two lookups (dense table, sorted keys) agree with a dict. A perturbed program
-must fail the comparison.
+holder index's two lookups (dense table, sorted keys) agree with a dict. Rows blocks shared by
+ranks (from the cache) pickle as blocks built afresh. A perturbed program (a moved box, reversed
+names, a transfer pointing at another transfer's row) must fail the comparison.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sync_runtime.core.models import build_manifest, load_model_config
-from sync_runtime.core.plan import PackedProgram, PackedSide, RankPlan, SyncPlan
+from sync_runtime.core.plan import PackedProgram, PackedRows, PackedSide, RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.planner.program import CompactPrograms
@@ -88,16 +89,42 @@ def test_any_rank_order_and_ranks_without_work() -> None:
     assert whole == [plan.for_rank(rank) for rank in range(n)]
 
 
-def _moved(program: RankPlan) -> RankPlan:
-    """`program` with one received transfer's destination box shifted by one (packed arrays)."""
+def _packed(program: RankPlan) -> PackedProgram:
     packed = program._packed
     assert packed is not None
-    transfers = packed.recvs.transfers.copy()
-    transfers[0, -2 * packed.width] += 1
-    recvs = PackedSide(packed.recvs.buckets, transfers, packed.recvs.nbytes)
-    changed = dataclasses.replace(packed, recvs=recvs)
-    assert isinstance(changed, PackedProgram)
+    return packed
+
+
+def _with_recvs(program: RankPlan, recvs: PackedSide) -> RankPlan:
+    changed = dataclasses.replace(_packed(program), recvs=recvs)
     return RankPlan(program.rank, program.digest, packed=changed)
+
+
+def _moved(program: RankPlan) -> RankPlan:
+    """`program` with one received transfer's destination box shifted by one (in its block)."""
+    packed = _packed(program)
+    side = packed.recvs
+    transfers = side.rows.transfers.copy()
+    transfers[side.index[0], -2 * packed.width] += 1
+    rows = PackedRows(transfers, side.rows.nbytes, side.rows.names)
+    return _with_recvs(program, PackedSide(side.buckets, side.index, rows))
+
+
+def _renamed(program: RankPlan) -> RankPlan:
+    """`program` with its received rows' names table reversed."""
+    side = _packed(program).recvs
+    rows = PackedRows(side.rows.transfers, side.rows.nbytes, side.rows.names[::-1])
+    return _with_recvs(program, PackedSide(side.buckets, side.index, rows))
+
+
+def _aliased(program: RankPlan) -> RankPlan:
+    """`program` with one received transfer pointing at another transfer's row (shared rows
+    where they must not be)."""
+    side = _packed(program).recvs
+    index = side.index.copy()
+    other = int(np.flatnonzero(index != index[0])[0])
+    index[other] = index[0]
+    return _with_recvs(program, PackedSide(side.buckets, index, side.rows))
 
 
 @pytest.mark.parametrize("case", COMPILE_CASES[:3] + COMPILE_CASES[-1:])
@@ -106,9 +133,35 @@ def test_a_perturbed_batched_program_fails_the_comparison(case: tuple[str, str, 
     rank = len(plan.ranks) - 1  # a destination: it receives
     program = next(iter(_programs(plan).rank_plans([rank], plan.digest, chunk_transfers=3)))
     assert program == reference_cut(plan, rank)
-    assert _moved(program) != reference_cut(plan, rank)
-    swapped = dataclasses.replace(program._packed, names=program._packed.names[::-1])  # type: ignore[arg-type]
-    assert RankPlan(rank, plan.digest, packed=swapped) != reference_cut(plan, rank)
+    assert len(_packed(program).recvs.index) > 1
+    for bad in (_moved(program), _renamed(program), _aliased(program)):
+        assert bad != reference_cut(plan, rank)
+
+
+@pytest.mark.parametrize("relay", ["off", "on"])
+@pytest.mark.parametrize("case", COMPILE_CASES)
+def test_shared_blocks_equal_fresh_ones(case: tuple[str, str, str, str, str], relay: str) -> None:
+    """A rows block cached by one rank and reused by others pickles as one built afresh for the
+    rank alone (an empty cache), and each block is stored once per distinct row."""
+    plan = _plan(case, 2048, 16384, relay)
+    warm = _programs(plan)
+    n = len(plan.ranks)
+    batched = list(warm.rank_plans(range(n), plan.digest, chunk_transfers=50))
+    kinds = {key[0] for key in warm._blocks._blocks}
+    shared = 0
+    for rank, program in enumerate(batched):
+        cold = _programs(plan)  # nothing cached: every block built for this rank
+        assert pickle.dumps(program) == pickle.dumps(cold.rank_plan(rank, plan.digest))
+        for side in (_packed(program).sends, _packed(program).recvs):
+            assert len(side.rows.transfers) <= len(side.index)  # never more rows than transfers
+            shared += any(side.rows is _packed(p).recvs.rows for p in batched[:rank])
+    if relay == "off":
+        assert "patterns" in kinds  # per sender: its patterns' rows
+    if relay == "off" and not warm.table().mixed.any():  # mixed: rows depend on the sender
+        assert "list" in kinds  # per destination position: its needs list's rows
+        assert shared > 0  # replicas at one destination position share their block
+    if warm.relayed.any():
+        assert "buckets" in kinds  # relay copies: per distinct bucket
 
 
 @pytest.mark.parametrize("dense_limit", [1 << 30, 0])

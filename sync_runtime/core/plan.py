@@ -7,7 +7,8 @@ its buckets once; rounds run in order. A bucket is one flat message between one 
 A planned `SyncPlan` is backed by compact `RankPrograms` (the planner's per-pair patterns and
 per-bucket arrays, see planner/program.py): `for_rank` cuts one rank's program from indices built
 once, `rank_plans` many ranks' in batched passes, and `rounds` (every bucket as objects) is only
-materialised when someone asks for it.
+materialised when someone asks for it. A cut program is packed (`PackedProgram`): per side its
+bucket rows, and its transfers as indices into a block of distinct rows that ranks share.
 A hand-made plan (tests) gives `rounds` directly; its per-rank index is built on first use.
 """
 
@@ -74,63 +75,83 @@ def _box(flat: list[int]) -> tuple[tuple[int, int], ...]:
 
 
 @dataclass(frozen=True, slots=True)
+class PackedRows:
+    """Distinct transfer rows and the names they use: one side's block (see `PackedSide`).
+
+    `transfers` rows (int32): tensor, src_name, dst_name (indices into `names`), the two boxes'
+    ndims, then the src box and the dst box, each `width` (lo, hi) pairs, zero-padded. `nbytes`:
+    per row. Blocks are shared: one object serves every rank whose side uses the same rows (the
+    planner caches them), so names are per block, not per program.
+    """
+
+    transfers: np.ndarray
+    nbytes: np.ndarray
+    names: tuple[str, ...]
+    joined: str | None = field(default=None, compare=False, repr=False)
+    """`names` joined with NAME_SEP, where the maker checked that no name holds it (computed
+    once per shared block, not once per pickled program)."""
+
+    def __reduce__(self) -> tuple:
+        # The names as one string: a tuple of thousands of names was ~70% of pickling a program.
+        joined = self.joined
+        if joined is None:
+            joined = NAME_SEP.join(self.names)
+            if joined.count(NAME_SEP) != max(len(self.names) - 1, 0):
+                return (PackedRows, (self.transfers, self.nbytes, self.names))
+        return (_joined_rows, (self.transfers, self.nbytes, len(self.names), joined))
+
+
+def _joined_rows(transfers: np.ndarray, nbytes: np.ndarray, n_names: int, joined: str) -> PackedRows:
+    names = tuple(joined.split(NAME_SEP)) if n_names else ()
+    return PackedRows(transfers, nbytes, names, joined)
+
+
+@dataclass(frozen=True, slots=True)
 class PackedSide:
     """One direction of a rank's program as arrays (what travels to the rank, see `RankPlan`).
 
-    `buckets` rows: round, src, dst, nbytes, transfer count (int64). `transfers` rows (int32):
-    tensor, src_name, dst_name (indices into the program's names), the two boxes' ndims, then
-    the src box and the dst box, each `width` (lo, hi) pairs, zero-padded. `nbytes`: per transfer.
+    `buckets` rows: round, src, dst, nbytes, transfer count (int64). `index` (int32): per
+    transfer, in bucket order, its row of `rows`. Rows are stored once per distinct row, not
+    once per transfer: a sender sends the same bucket to every replica of a destination position
+    (~20x at 12,288 ranks), and the replicas at one position receive the same needs (in other
+    buckets, from other senders), so they share one `rows` block.
     """
 
     buckets: np.ndarray
-    transfers: np.ndarray
-    nbytes: np.ndarray
+    index: np.ndarray
+    rows: PackedRows
 
     def __reduce__(self) -> tuple:
         # Positional args: a slots dataclass otherwise pickles through Python-level state hooks.
-        return (PackedSide, (self.buckets, self.transfers, self.nbytes))
+        return (PackedSide, (self.buckets, self.index, self.rows))
 
-    def unpack(self, names: tuple[str, ...], width: int, n_rounds: int) -> PerRound:
+    def unpack(self, width: int, n_rounds: int) -> PerRound:
         out: list[list[Bucket]] = [[] for _ in range(n_rounds)]
-        rows, sizes = self.transfers.tolist(), self.nbytes.tolist()
-        at, w = 0, BOX_FIELDS + 2 * width
+        names, w = self.rows.names, BOX_FIELDS + 2 * width
+        parts = []  # per distinct row: the transfer's fields but its ranks (built once per row)
+        for row, n in zip(self.rows.transfers.tolist(), self.rows.nbytes.tolist(), strict=True):
+            sb, db = _box(row[BOX_FIELDS : BOX_FIELDS + 2 * row[3]]), _box(row[w : w + 2 * row[4]])
+            parts.append((names[row[0]], names[row[1]], sb, names[row[2]], db, n))
+        index = self.index.tolist()
+        at = 0
         for rnd, src, dst, nbytes, count in self.buckets.tolist():
-            ts = []
-            for row, n in zip(rows[at : at + count], sizes[at : at + count], strict=True):
-                sb, db = row[BOX_FIELDS : BOX_FIELDS + 2 * row[3]], row[w : w + 2 * row[4]]
-                sb, db = _box(sb), _box(db)
-                ts.append(Transfer(src, dst, names[row[0]], names[row[1]], sb, names[row[2]], db, n))
+            ts = tuple(Transfer(src, dst, *parts[i]) for i in index[at : at + count])
             at += count
-            out[rnd].append(Bucket(src, dst, tuple(ts), nbytes))
+            out[rnd].append(Bucket(src, dst, ts, nbytes))
         return tuple(tuple(r) for r in out)
 
 
 @dataclass(frozen=True, slots=True)
 class PackedProgram:
-    """A rank's program as arrays and a names table: ~10x cheaper to cut and pickle than objects."""
+    """A rank's program as arrays and names tables: ~10x cheaper to cut and pickle than objects."""
 
     n_rounds: int
-    names: tuple[str, ...]
     width: int
     sends: PackedSide
     recvs: PackedSide
-    plain_names: bool = field(default=False, compare=False)
-    """True where the maker checked that no name holds NAME_SEP (the planner's tables check each
-    name once), so pickling need not scan the joined names for it."""
 
     def __reduce__(self) -> tuple:
-        # The names as one string: a tuple of thousands of names was ~70% of pickling a program.
-        joined = NAME_SEP.join(self.names)
-        if not self.plain_names and joined.count(NAME_SEP) != max(len(self.names) - 1, 0):
-            return (PackedProgram, (self.n_rounds, self.names, self.width, self.sends, self.recvs))
-        return (_joined_program, (self.n_rounds, len(self.names), joined, self.width, self.sends, self.recvs))
-
-
-def _joined_program(
-    n_rounds: int, n_names: int, joined: str, width: int, sends: PackedSide, recvs: PackedSide
-) -> PackedProgram:
-    names = tuple(joined.split(NAME_SEP)) if n_names else ()
-    return PackedProgram(n_rounds, names, width, sends, recvs, plain_names=True)
+        return (PackedProgram, (self.n_rounds, self.width, self.sends, self.recvs))
 
 
 class RankPlan:
@@ -159,8 +180,8 @@ class RankPlan:
     def _unpack(self) -> None:
         p = self._packed
         assert p is not None
-        self._sends = p.sends.unpack(p.names, p.width, p.n_rounds)
-        self._recvs = p.recvs.unpack(p.names, p.width, p.n_rounds)
+        self._sends = p.sends.unpack(p.width, p.n_rounds)
+        self._recvs = p.recvs.unpack(p.width, p.n_rounds)
 
     @property
     def sends(self) -> PerRound:

@@ -7,25 +7,24 @@ holder reads it from. Per distinct piece (DP copies share one: a few hundred for
 million holder entries): the row that turns a need's canonical box into the holder's local box
 (local name, leading local dims, and the shift from canonical to local coordinates, see
 refine.to_local), in the same packed columns, so a transfer row is one need row plus one piece
-row. Per pattern bucket: the range of its needs in one flat order. Boxes are `width`
-zero-padded (lo, hi) pairs (core/plan.py PackedSide). `side` cuts the rows of many ranks' buckets
-at once; `programs` slices them per rank and gives each rank its own names table.
+row. Per pattern bucket: the range of its needs in one flat order (`order`, with each need's
+index within its needs list in `order_local`). Boxes are `width` zero-padded (lo, hi) pairs
+(core/plan.py PackedRows). `rows` builds a block of transfer rows with its own names table;
+blocks are shared by ranks (program.py), so names are renumbered once per block, not per rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from itertools import chain
 
 import numpy as np
 
 from sync_runtime.core.layouts.base import Box, Piece
-from sync_runtime.core.plan import BOX_FIELDS, NAME_SEP, PackedProgram, PackedSide
+from sync_runtime.core.plan import BOX_FIELDS, NAME_SEP, PackedRows
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.refine import SourceCell
 
-Side = tuple[np.ndarray, np.ndarray, np.ndarray]
-"""(bucket rows, transfer rows, transfer bytes) of one direction, as in PackedSide."""
 DENSE_HOLDERS_LIMIT = 1 << 26
 """Largest (holder set x rank) table looked up densely (int16: 128 MiB); beyond it, sorted keys."""
 
@@ -194,6 +193,18 @@ class NeedTable:
         self.order = np.asarray(order, dtype=np.int64)
         self.bucket_at = np.asarray(bucket_at, dtype=np.int64)
         self.pat_base = np.asarray(pat_base, dtype=np.int64)
+        pat_base.append(len(bucket_at) - 1)
+        self.pattern_at = self.bucket_at[pat_base]
+        """Pattern p's needs: `order[pattern_at[p]:pattern_at[p + 1]]` (all its buckets)."""
+        mixed = np.concatenate([[0], np.cumsum(self.mixed[self.order])])
+        self.pattern_mixed = np.diff(mixed[self.pattern_at]) > 0
+        """Whether a pattern's rows depend on which holder sends it."""
+        self.list_base = np.asarray(bases, dtype=np.int64)
+        self.list_len = np.diff(np.append(self.list_base, len(self.cell)))
+        self.pattern_list = np.asarray([lst for lst, _, _ in patterns], dtype=np.int64)
+        lists = np.repeat(self.pattern_list, np.diff(self.pattern_at))
+        self.order_local = (self.order - self.list_base[lists]).astype(np.int32)
+        """Per entry of `order`: the need's index within its needs list."""
 
     def _name(self, name: str) -> int:
         found = self._name_ids.get(name)
@@ -202,27 +213,32 @@ class NeedTable:
             self.names.append(name)
         return found
 
-    def side(self, rows: Sequence[np.ndarray], pattern: np.ndarray) -> Side:
-        """(bucket rows, transfer rows with global name ids, transfer bytes) of buckets in order.
+    def rows(
+        self, need: np.ndarray, relayed: np.ndarray | None = None, sender: np.ndarray | None = None
+    ) -> PackedRows:
+        """A block of transfer rows, one per entry of `need` (need ids), with its own names table.
 
-        `rows`: round, src, dst, k, relayed, nbytes per bucket (one rank's, or many ranks' one
-        after the other); `pattern` per bucket.
+        `relayed` (per row, optional): a relay copy's row (read where the forwarder stored it).
+        `sender` (per row, optional): the sending rank, for rows of mixed cells (the holder's
+        own piece); -1 or absent: no mixed cell among the rows, or relayed.
         """
-        rnd, src, dst, k, relayed, nbytes = rows
-        gb = self.pat_base[pattern] + k
-        lo = self.bucket_at[gb]
-        counts = self.bucket_at[gb + 1] - lo
-        need = np.take(self.order, expand_ranges(lo, counts))
         transfers = np.take(self.full_rows, need, axis=0)  # np.take: ~5x faster than [need] here
-        if self._any_mixed:  # cells whose holders store them differently: by the sender
-            m = np.flatnonzero(self.mixed[need])
+        if self._any_mixed and sender is not None:  # cells whose holders store them differently
+            m = np.flatnonzero(self.mixed[need] & (sender >= 0))
             if len(m):
-                holder = self.holders.lookup(self.set[need[m]], np.repeat(src, counts)[m])
+                holder = self.holders.lookup(self.set[need[m]], sender[m])
                 transfers[m] = self._read_rows(need[m], self.ch_piece[self.cell[need[m]] + holder])
-        if relayed.any():
-            self._relay(transfers, np.repeat(relayed, counts))
-        buckets = np.stack([rnd, src, dst, nbytes, counts], axis=1).astype(np.int64, copy=False)
-        return buckets, transfers, np.take(self.nbytes, need)
+        if relayed is not None and relayed.any():
+            self._relay(transfers, relayed)
+        # Renumber the name columns into the block's own names (in global id order), once per
+        # block: blocks are shared by ranks, so this is not paid per rank.
+        ids = transfers[:, :3]
+        used = np.sort(ids, axis=None)  # np.unique's Python-level overhead was most of this
+        used = used[np.concatenate([[True], used[1:] != used[:-1]])] if len(used) else used
+        transfers[:, :3] = np.searchsorted(used, ids)
+        names = tuple(self._name_objects[used].tolist())
+        joined = NAME_SEP.join(names) if self._plain_names else None
+        return PackedRows(transfers, np.take(self.nbytes, need), names, joined)
 
     def _read_rows(self, need: np.ndarray, piece: np.ndarray) -> np.ndarray:
         """Transfer rows of `need` read from `piece`: the need's row plus the piece's (its name,
@@ -248,46 +264,3 @@ class NeedTable:
         rows[:, 1], rows[:, 3] = rows[:, 2], rows[:, 4]
         rows[:, b : b + w2] = rows[:, b + w2 :]
         transfers[m] = rows
-
-    def programs(
-        self, n_rounds: int, sends: Side, recvs: Side, send_at: np.ndarray, recv_at: np.ndarray
-    ) -> Iterator[PackedProgram]:
-        """Per rank of a `side` batch, its packed program with a names table of its own.
-
-        `send_at`/`recv_at`: where each rank's bucket rows start in `sends`/`recvs` (and the end).
-        Rewrites the batch's name ids in place.
-        """
-        # Per call, not per table: no state shared by threads cutting programs at once.
-        seen = np.zeros(len(self.names), dtype=bool)
-        local = np.zeros(len(self.names), dtype=np.int32)
-        for s, r in zip(_cut(sends, send_at), _cut(recvs, recv_at), strict=True):
-            names = self._localise(s.transfers, r.transfers, seen, local)
-            yield PackedProgram(n_rounds, names, self.width, s, r, plain_names=self._plain_names)
-
-    def _localise(
-        self, sends: np.ndarray, recvs: np.ndarray, seen: np.ndarray, local: np.ndarray
-    ) -> tuple[str, ...]:
-        """Renumber the name columns into the rank's own names table (in global id order): mark
-        the ids used, number the marked ones, gather. No sort: ~4x cheaper than np.unique."""
-        # intp indices: numpy indexes ~3x faster with them than with the rows' int32
-        ids = np.concatenate([sends[:, :3], recvs[:, :3]]).ravel().astype(np.intp)
-        seen[ids] = True
-        used = np.flatnonzero(seen)
-        seen[used] = False  # clean for the next rank
-        local[used] = np.arange(len(used), dtype=np.int32)
-        renumbered = local[ids]
-        split = 3 * len(sends)
-        sends[:, :3] = renumbered[:split].reshape(-1, 3)
-        recvs[:, :3] = renumbered[split:].reshape(-1, 3)
-        return tuple(self._name_objects[used].tolist())
-
-
-def _cut(side: Side, bucket_at: np.ndarray) -> list[PackedSide]:
-    """`side` sliced per rank: bucket rows [bucket_at[i], bucket_at[i + 1]) and their transfers."""
-    buckets, transfers, nbytes = side
-    t_at = np.concatenate([[0], np.cumsum(buckets[:, 4])])[bucket_at].tolist()
-    b_at = bucket_at.tolist()
-    return [
-        PackedSide(buckets[b0:b1], transfers[t0:t1], nbytes[t0:t1])
-        for b0, b1, t0, t1 in zip(b_at, b_at[1:], t_at, t_at[1:], strict=False)
-    ]
