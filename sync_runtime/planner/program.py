@@ -33,6 +33,7 @@ import numpy as np
 from sync_runtime.core.layouts.base import Box
 from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, PackedSide, RankPlan, Round, Transfer
 from sync_runtime.planner.columns import grouped, narrow
+from sync_runtime.planner.gc_pause import gc_paused
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.senders import Choice
 from sync_runtime.planner.tables import NeedTable, expand_ranges
@@ -308,7 +309,8 @@ class CompactPrograms:
     def table(self) -> NeedTable:
         """The plan's need table (built on first use: only programs need it)."""
         if self._table is None:
-            self._table = self.book.table()
+            with gc_paused():  # one row of ints and tuples per need and cell (gc_pause.py)
+                self._table = self.book.table()
         return self._table
 
     def rank_plan(self, rank: int, digest: str) -> RankPlan:

@@ -153,18 +153,29 @@ class NeedTable:
 
     def _cell(self, cell: SourceCell) -> tuple[int, int, bool]:
         """(first row of `cell` in `ch_piece`, its holder set, whether its holders read different
-        pieces); its holders' rows follow in order."""
+        pieces). A mixed cell's holders' rows follow in order (looked up by holder position); a
+        cell whose holders all read one piece has that one row."""
         first = len(self._ch)
         sid = self._set_ids.setdefault(cell.ranks, len(self._set_ids))
         known = self._piece_ids
+        shared = cell.holders[0][1]
+        # DP copies share one piece object (one cached shard): one identity test per holder,
+        # instead of a lookup and a row each (~1 M holder entries at 12,288 ranks).
+        if all(piece is shared for _, piece in cell.holders):
+            row = known.get(id(shared))
+            if row is None:
+                row = known[id(shared)] = self._piece(shared)
+            self._ch.append(row)
+            return first, sid, False
         rows = []
         for _, piece in cell.holders:
             row = known.get(id(piece))
             if row is None:
                 row = known[id(piece)] = self._piece(piece)
             rows.append(row)
-        self._ch += rows
-        return first, sid, rows.count(rows[0]) != len(rows)
+        mixed = rows.count(rows[0]) != len(rows)
+        self._ch += rows if mixed else rows[:1]
+        return first, sid, mixed
 
     def _piece(self, piece: Piece) -> int:
         """Row of a distinct stored region: name, leading dims, canonical-to-local shift."""
