@@ -70,6 +70,10 @@ def test_batched_programs_equal_the_single_and_reference_cuts(
         single = programs.rank_plan(rank, plan.digest)
         assert pickle.dumps(program) == pickle.dumps(single)  # same arrays and names table
         assert program == reference_cut(plan, rank)
+    # the chunking's per-rank transfer counts (from pairs where no bucket is relayed)
+    moved = [sum(len(b.transfers) for side in (p.sends, p.recvs) for r in side for b in r) for p in batched]
+    assert programs._rank_transfers() == moved[: programs.n_ranks]  # ranks past it: no work
+    assert not any(moved[programs.n_ranks :])
 
 
 def test_any_rank_order_and_ranks_without_work() -> None:
