@@ -57,10 +57,15 @@ def _programs(plan: object, n_ranks: int) -> dict:
     seconds = time.process_time() - started
     largest = max(range(n_ranks), key=sizes.__getitem__, default=0)
     rank_plan = plan.for_rank(largest)  # type: ignore[attr-defined]
+    blob = pickle.dumps(rank_plan, protocol=pickle.HIGHEST_PROTOCOL)
     tracemalloc.start()
-    pickle.loads(pickle.dumps(rank_plan, protocol=pickle.HIGHEST_PROTOCOL))
+    received = pickle.loads(blob)
     participant_peak = tracemalloc.get_traced_memory()[1]
+    # What the rank's transfer engine then walks: every bucket and transfer as objects.
+    received.sends, received.recvs  # noqa: B018 (built on first access)
+    unpacked_peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
+    del received
     # Rows blocks are per side and shared, so a sender's names table could outgrow its needs:
     # check the ratio on a sample covering both sides, the largest sender and receiver included.
     n_src = sum(1 for r in plan.ranks if r.role.name == "SOURCE")  # type: ignore[attr-defined]
@@ -81,6 +86,7 @@ def _programs(plan: object, n_ranks: int) -> dict:
         "largest_program_bytes": sizes[largest] if sizes else 0,
         "largest_transfers_bytes": _transfers_bytes(rank_plan),
         "participant_unpickle_peak_bytes": participant_peak,
+        "participant_unpacked_peak_bytes": unpacked_peak,
         "sampled_ranks": len(sample),
         "sampled_max_ratio": worst[0],
         "sampled_max_ratio_rank": worst[1],
@@ -128,7 +134,9 @@ def report(name: str, r: dict) -> None:
         f"  largest rank program (rank {r['largest_rank']}): {r['largest_program_bytes']:,} B pickled vs "
         f"{r['largest_transfers_bytes']:,} B for its transfers alone "
         f"({r['largest_program_bytes'] / max(1, r['largest_transfers_bytes']):.2f}x); "
-        f"unpickling peak {r['participant_unpickle_peak_bytes'] / 2**20:.1f} MiB"
+        f"unpickling peak {r['participant_unpickle_peak_bytes'] / 2**20:.1f} MiB, "
+        f"unpacked into buckets and transfers {r['participant_unpacked_peak_bytes'] / 2**20:.1f} MiB "
+        "(tracemalloc, on the participant)"
     )
     print(
         f"  program / its transfers, largest over {r['sampled_ranks']} sampled ranks (both sides): "
