@@ -17,6 +17,7 @@ import numpy as np
 
 from sync_runtime.core import layouts as _layouts
 from sync_runtime.core.cost import floor_seconds_arrays, predict_seconds_arrays
+from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Layout, Piece
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
@@ -27,7 +28,6 @@ from sync_runtime.planner import relay as _relay
 from sync_runtime.planner.config import PlannerConfig, SideSpec
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
 from sync_runtime.planner.fill import refill
-from sync_runtime.planner.gc_pause import gc_paused
 from sync_runtime.planner.needs import Need, NeedBuilder
 from sync_runtime.planner.program import BucketRef, CompactPrograms, PairBook
 from sync_runtime.planner.refine import SourceCell, build_shared_cells

@@ -4,11 +4,15 @@ A *position* is a destination rank's coordinate without its replica index; every
 (layout, spec) side at that position holds the same shard, so its needs are computed once and
 instantiated per replica. Intersections are cached by box pattern (the source cells' boxes of a
 tensor plus the destination piece's box), which many tensors share (every expert of every layer).
+`encode_needs` is a needs list's canonical bytes for the plan digest (program.py content_hash).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from sync_runtime.core.layouts.base import Box, Piece, RankShard, box_numel
 from sync_runtime.core.manifest import DTYPE_BYTES, TensorMeta
@@ -118,3 +122,46 @@ class NeedBuilder:
                     )
                 )
         return out
+
+
+def int_section(values: Sequence[int]) -> bytes:
+    """`values` as little-endian int64, after their count (a self-delimiting section)."""
+    return np.asarray([len(values)], dtype="<i8").tobytes() + np.asarray(values, dtype="<i8").tobytes()
+
+
+def encode_needs(needs: list[Need]) -> bytes:
+    """One needs list for the content hash: per need, indices into tables of its distinct names,
+    boxes and holder sets, plus its bytes; then the tables. Every distinct value is encoded once
+    (a repr of every need's row, holder set included, cost ~1.5 s at 12,288 ranks)."""
+    names: dict[str, int] = {}
+    boxes: dict[Box, int] = {}
+    holder_sets: dict[tuple[int, ...], int] = {}
+    seen: dict[int, int] = {}  # holder sets are shared tuples: hash each object's ranks once
+    rows: list[int] = []  # six per need, flat
+    for n in needs:
+        ranks = n.cell.ranks
+        held = seen.get(id(ranks))
+        if held is None:  # indices follow values, so sharing between tuples never shows
+            held = seen[id(ranks)] = holder_sets.setdefault(ranks, len(holder_sets))
+        rows.extend(
+            (
+                names.setdefault(n.tensor, len(names)),
+                boxes.setdefault(n.canon_box, len(boxes)),
+                names.setdefault(n.dst_name, len(names)),
+                boxes.setdefault(n.dst_box, len(boxes)),
+                n.nbytes,
+                held,
+            )
+        )
+    text = [name.encode() for name in names]
+    return b"".join(
+        (
+            int_section(rows),
+            int_section([len(t) for t in text]),
+            b"".join(text),
+            int_section([len(b) for b in boxes]),
+            int_section([x for b in boxes for r in b for x in r]),
+            int_section([len(r) for r in holder_sets]),
+            int_section([x for r in holder_sets for x in r]),
+        )
+    )

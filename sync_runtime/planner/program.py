@@ -11,30 +11,24 @@ refs become flat arrays with per-rank CSR indices, so `rank_buckets` touches onl
 rows and builds `Transfer` objects for them alone. Packed programs (`rank_plans`) are cut for a
 batch of ranks at once: bucket rows and per-transfer indices gathered from the CSR indices in one
 pass, then per rank a side is its bucket rows, its transfers' indices and a block of distinct
-rows (core/plan.py PackedSide). Blocks repeat across ranks, so they are built once and cached:
-a sender's is its patterns' rows (it sends each pattern to ~20 replicas: its rows once, not once
-per bucket), a receiver's is its needs list's rows (every replica at a destination position
-receives that list, in other buckets from other senders: one block per position). Relay copies
-and cells whose holders store them differently fall back to one block per distinct bucket.
+rows (core/plan.py PackedSide), shared with the ranks that use the same rows (blocks.py).
 One rank (`rank_plan`) is a batch of one, so both give the same bytes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 
-from sync_runtime.core.layouts.base import Box
-from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, PackedSide, RankPlan, Round, Transfer
+from sync_runtime.core.gc_pause import gc_paused
+from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, RankPlan, Round, Transfer
+from sync_runtime.planner.blocks import BLOCK_CACHE_BYTES, BlockCache, Senders, Side
 from sync_runtime.planner.columns import grouped, narrow
-from sync_runtime.planner.gc_pause import gc_paused
-from sync_runtime.planner.needs import Need
+from sync_runtime.planner.needs import Need, encode_needs, int_section
 from sync_runtime.planner.senders import Choice
 from sync_runtime.planner.tables import NeedTable, expand_ranges
 
@@ -44,8 +38,6 @@ PerRound = tuple[tuple[Bucket, ...], ...]
 CHUNK_TRANSFERS = 1 << 17
 """Transfer rows per batch of `CompactPrograms.rank_plans` (~100 B of arrays each while cut;
 batches this small stay under malloc's mmap threshold, so their memory is reused, not refaulted)."""
-BLOCK_CACHE_BYTES = 64 << 20
-"""Rows blocks kept per plan for reuse by later ranks (least recently used dropped beyond it)."""
 
 
 class BucketRef:
@@ -95,7 +87,7 @@ class PairBook:
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
         self.patterns: list[Pattern] = []
-        self._pattern_ids: dict[tuple, int] = {}
+        self.pair_pattern_ids: dict[tuple, int] = {}
         self._segments: dict[int, Segments] = {}
         self._alive: list[list[Need]] = []  # keys are ids: keep the lists alive
         self.pair_src: list[int] = []
@@ -132,12 +124,12 @@ class PairBook:
 
     def pattern(self, needs: list[Need], parts: tuple[int | tuple[int, ...], ...]) -> int:
         key = (id(needs), parts)
-        pid = self._pattern_ids.get(key)
+        pid = self.pair_pattern_ids.get(key)
         if pid is None:
             segs = self._segments[id(needs)]
             order = [i for p in parts for i in (segs[p][1] if isinstance(p, int) else p)]
             bounds, sizes = _pack(needs, order, self.bucket_bytes)
-            pid = self._pattern_ids[key] = len(self.patterns)
+            pid = self.pair_pattern_ids[key] = len(self.patterns)
             self.patterns.append(Pattern(needs, order, bounds, sizes))
         return pid
 
@@ -188,59 +180,16 @@ class PairBook:
             index = lists.get(id(p.needs))
             if index is None:
                 index = lists[id(p.needs)] = len(encoded)
-                encoded.append(_encode_needs(p.needs))
+                encoded.append(encode_needs(p.needs))
             heads.extend((index, len(p.order), len(p.bounds)))
             flat.extend(p.order)
             flat.extend(p.bounds)
-        h = hashlib.sha256(_ints([len(encoded)]))
+        h = hashlib.sha256(int_section([len(encoded)]))
         for chunk in encoded:
             h.update(chunk)
         for column in (heads, flat, self.pair_src, self.pair_dst, self.pair_pattern):
-            h.update(_ints(column))
+            h.update(int_section(column))
         return h.digest()
-
-
-def _ints(values: Sequence[int]) -> bytes:
-    """`values` as little-endian int64, after their count (a self-delimiting section)."""
-    return np.asarray([len(values)], dtype="<i8").tobytes() + np.asarray(values, dtype="<i8").tobytes()
-
-
-def _encode_needs(needs: list[Need]) -> bytes:
-    """One needs list for the content hash: per need, indices into tables of its distinct names,
-    boxes and holder sets, plus its bytes; then the tables. Every distinct value is encoded once
-    (a repr of every need's row, holder set included, cost ~1.5 s at 12,288 ranks)."""
-    names: dict[str, int] = {}
-    boxes: dict[Box, int] = {}
-    holder_sets: dict[tuple[int, ...], int] = {}
-    seen: dict[int, int] = {}  # holder sets are shared tuples: hash each object's ranks once
-    rows: list[int] = []  # six per need, flat
-    for n in needs:
-        ranks = n.cell.ranks
-        held = seen.get(id(ranks))
-        if held is None:  # indices follow values, so sharing between tuples never shows
-            held = seen[id(ranks)] = holder_sets.setdefault(ranks, len(holder_sets))
-        rows.extend(
-            (
-                names.setdefault(n.tensor, len(names)),
-                boxes.setdefault(n.canon_box, len(boxes)),
-                names.setdefault(n.dst_name, len(names)),
-                boxes.setdefault(n.dst_box, len(boxes)),
-                n.nbytes,
-                held,
-            )
-        )
-    text = [name.encode() for name in names]
-    return b"".join(
-        (
-            _ints(rows),
-            _ints([len(t) for t in text]),
-            b"".join(text),
-            _ints([len(b) for b in boxes]),
-            _ints([x for b in boxes for r in b for x in r]),
-            _ints([len(r) for r in holder_sets]),
-            _ints([x for r in holder_sets for x in r]),
-        )
-    )
 
 
 class CompactPrograms:
@@ -262,11 +211,16 @@ class CompactPrograms:
         self._by_dst, self._dst_at = grouped(self.dst, n_ranks)
         self.n_ranks = n_ranks
         self._nbytes, self._count = self._bucket_tables()
-        self._pattern = np.asarray(book.pair_pattern, dtype=np.int64)
+        self.pair_pattern = np.asarray(book.pair_pattern, dtype=np.int64)
         self._table: NeedTable | None = None
         self._per_rank: list[int] | None = None
-        self._sender_units: _Senders | None = None
-        self._blocks = _BlockCache(BLOCK_CACHE_BYTES)
+        self._sender_units: Senders | None = None
+        self._blocks = BlockCache(BLOCK_CACHE_BYTES)
+
+    @property
+    def pair_src(self) -> np.ndarray:
+        """Per pair, its sender (for the blocks of sender programs, blocks.py)."""
+        return np.asarray(self.book.pair_src, dtype=np.int64)
 
     @classmethod
     def from_refs(cls, book: PairBook, rounds: Sequence[Sequence[BucketRef]]) -> CompactPrograms:
@@ -345,7 +299,7 @@ class CompactPrograms:
                 received = np.bincount(self.dst, weights=weights, minlength=n)
             else:  # every pair moves all of its pattern: ~10x fewer pairs than buckets
                 per_pattern = np.array([len(p.order) for p in self.book.patterns], dtype=np.float64)
-                weights = per_pattern[self._pattern]
+                weights = per_pattern[self.pair_pattern]
                 sent = np.bincount(np.asarray(self.book.pair_src), weights=weights, minlength=n)
                 received = np.bincount(np.asarray(self.book.pair_dst), weights=weights, minlength=n)
             self._per_rank = (sent + received).astype(np.int64).tolist()
@@ -368,7 +322,7 @@ class CompactPrograms:
             buckets = np.stack([np.take(c, rows) for c in cols], axis=1).astype(np.int64, copy=False)
             b_at = np.concatenate([[0], np.cumsum(counts)])
             t_at = np.concatenate([[0], np.cumsum(buckets[:, 4])])[b_at]
-            sides.append(_Side(self, table, rows, buckets, b_at, t_at))
+            sides.append(Side(self, table, rows, buckets, b_at, t_at))
         sends, recvs = sides
         send_index, send_senders = sends.by_sender(senders, ranks, inside)
         recv_index, recv_lists = recvs.by_list()
@@ -392,9 +346,9 @@ class CompactPrograms:
         base = int(t.list_base[lst])
         return t.rows(np.arange(base, base + int(t.list_len[lst]), dtype=np.int64))
 
-    def _senders(self) -> _Senders:
+    def _senders(self) -> Senders:
         if self._sender_units is None:
-            self._sender_units = _Senders(self, self.table())
+            self._sender_units = Senders(self, self.table())
         return self._sender_units
 
     def block(self, key: tuple, build: Callable[[], PackedRows]) -> PackedRows:
@@ -407,166 +361,3 @@ class CompactPrograms:
 
     def all_rounds(self) -> tuple[Round, ...]:
         return tuple(Round(r) for r in self._per_round(np.arange(len(self.round))))
-
-
-class _BlockCache:
-    """Rows blocks by key, least recently used dropped beyond `limit` bytes (thread-safe)."""
-
-    def __init__(self, limit: int):
-        self.limit, self.size = limit, 0
-        self._blocks: OrderedDict[tuple, PackedRows] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __reduce__(self) -> tuple:
-        return (_BlockCache, (self.limit,))  # a cache travels empty
-
-    def get(self, key: tuple, build: Callable[[], PackedRows]) -> PackedRows:
-        with self._lock:
-            found = self._blocks.get(key)
-            if found is not None:
-                self._blocks.move_to_end(key)
-                return found
-        block = build()
-        with self._lock:
-            found = self._blocks.get(key)
-            if found is not None:  # another thread built it meanwhile: keep one object per key
-                return found
-            self._blocks[key] = block
-            self.size += _block_bytes(block)
-            while self.size > self.limit and len(self._blocks) > 1:  # never the block just made
-                self.size -= _block_bytes(self._blocks.popitem(last=False)[1])
-        return block
-
-
-def _block_bytes(block: PackedRows) -> int:
-    return block.transfers.nbytes + block.nbytes.nbytes + len(block.joined or "") + 64 * len(block.names)
-
-
-class _Senders:
-    """Per source rank, the patterns it sends directly, each stored once in its rows block.
-
-    A pair carries every bucket of its pattern, so a sender's block is its patterns' rows and a
-    bucket's transfers are a range of it. Ranks that forward relay copies, or whose pairs are
-    only partly sent directly, are left to the per-bucket path (`good` False)."""
-
-    def __init__(self, programs: CompactPrograms, table: NeedTable):
-        n_ranks, n_pairs = programs.n_ranks, len(programs._pattern)
-        pair_src = np.asarray(programs.book.pair_src, dtype=np.int64)
-        pair_pattern = programs._pattern
-        relayed = programs.relayed
-        pair = programs.pair.astype(np.int64, copy=False)
-        direct = np.bincount(pair[~relayed], minlength=n_pairs)
-        per_pattern = np.diff(np.append(table.pat_base, len(table.bucket_at) - 1))
-        partial = (direct > 0) & (direct != per_pattern[pair_pattern])
-        self.good = np.ones(n_ranks + 1, dtype=bool)
-        self.good[programs.src[relayed]] = False
-        self.good[pair_src[partial]] = False
-        active = np.flatnonzero((direct > 0) & self.good[pair_src])
-        self.span = n_ranks + 1  # unit key: pattern * span + (sender where its rows depend on it)
-        src, pattern = pair_src[active], pair_pattern[active]
-        tag = np.where(table.pattern_mixed[pattern], src, n_ranks)
-        per_src = len(table.pat_base) * self.span
-        units, inverse = np.unique(src * per_src + pattern * self.span + tag, return_inverse=True)
-        self.of_pair = np.zeros(n_pairs, dtype=np.int64)
-        self.of_pair[active] = inverse.reshape(-1)
-        owner = units // per_src
-        self.units = units - owner * per_src
-        self.at = np.searchsorted(owner, np.arange(n_ranks + 2))
-        self.rows = np.diff(table.pattern_at)[self.units // self.span]
-        ends = np.concatenate([[0], np.cumsum(self.rows)])
-        self.start = ends[:-1] - ends[self.at[owner]]
-        """Per unit: its first row in its sender's block."""
-
-    def key(self, rank: int) -> tuple:
-        return ("patterns", self.units[self.at[rank] : self.at[rank + 1]].tobytes())
-
-    def build(self, table: NeedTable, rank: int) -> PackedRows:
-        units = self.units[self.at[rank] : self.at[rank + 1]]
-        rows = self.rows[self.at[rank] : self.at[rank + 1]]
-        need = np.take(table.order, expand_ranges(table.pattern_at[units // self.span], rows))
-        tag = units % self.span
-        sender = np.repeat(np.where(tag < self.span - 1, tag, -1), rows)
-        return table.rows(need, None, sender)
-
-
-class _Side:
-    """One direction of a chunk of ranks: bucket rows, and each rank's rows block and indices."""
-
-    def __init__(
-        self,
-        programs: CompactPrograms,
-        table: NeedTable,
-        rows: np.ndarray,
-        buckets: np.ndarray,
-        b_at: np.ndarray,
-        t_at: np.ndarray,
-    ):
-        self.programs, self.table, self.buckets, self.b_at, self.t_at = programs, table, buckets, b_at, t_at
-        self.pair = np.take(programs.pair, rows)
-        self.pattern = np.take(programs._pattern, self.pair)
-        self.relayed = np.take(programs.relayed, rows)
-        self.gb = np.take(table.pat_base, self.pattern) + np.take(programs.k, rows)
-        self.lo = np.take(table.bucket_at, self.gb)
-        self.b_list = self.b_at.tolist()
-        self.t_list = self.t_at.tolist()
-        self._first_list: list[int] = []
-
-    def by_sender(
-        self, senders: _Senders, ranks: np.ndarray, inside: np.ndarray
-    ) -> tuple[np.ndarray, list[bool]]:
-        """Indices of the chunk's transfers into their senders' pattern blocks (where `good`)."""
-        whole = (inside & senders.good[ranks]).tolist()
-        if not any(whole) or not len(senders.start):  # no good rank of the chunk sends
-            return np.zeros(int(self.t_at[-1]), dtype=np.int32), whole
-        start = np.take(senders.start, np.take(senders.of_pair, self.pair), mode="clip")
-        start += self.lo - np.take(self.table.pattern_at, self.pattern)
-        return expand_ranges(start, self.buckets[:, 4]).astype(np.int32), whole
-
-    def by_list(self) -> tuple[np.ndarray, list[bool]]:
-        """Indices of the chunk's transfers into their needs lists, and per rank whether it
-        receives exactly its whole needs list directly (then one block per list serves it)."""
-        t = self.table
-        if len(self.pattern) == 0:
-            return np.zeros(0, dtype=np.int32), [False] * (len(self.b_at) - 1)
-        lists = np.take(t.pattern_list, self.pattern)
-        n = np.diff(self.b_at)
-        first = lists[np.minimum(self.b_at[:-1], len(lists) - 1)]
-        odd = self.relayed | np.take(t.pattern_mixed, self.pattern) | (lists != np.repeat(first, n))
-        odd_at = np.concatenate([[0], np.cumsum(odd)])[self.b_at]
-        whole = (n > 0) & (np.diff(odd_at) == 0) & (np.diff(self.t_at) == t.list_len[first])
-        self._first_list = first.tolist()
-        return np.take(t.order_local, expand_ranges(self.lo, self.buckets[:, 4])), whole.tolist()
-
-    def list_of(self, i: int) -> int:
-        return self._first_list[i]
-
-    def packed(
-        self, i: int, index: np.ndarray, key: tuple | None, build: Callable[[], PackedRows] | None
-    ) -> PackedSide:
-        """Rank `i` of the chunk: its bucket rows, and its block (`key`, or per bucket)."""
-        b0, b1, t0, t1 = self.b_list[i], self.b_list[i + 1], self.t_list[i], self.t_list[i + 1]
-        buckets = self.buckets[b0:b1]
-        if b0 == b1:  # nothing this way: one empty block for all
-            key, build = ("empty",), partial(self.table.rows, np.zeros(0, dtype=np.int64))
-        if key is not None and build is not None:
-            return PackedSide(buckets, index[t0:t1], self.programs.block(key, build))
-        # Per bucket: one unit per distinct (pattern bucket, relayed, sender where rows depend on it).
-        span = self.programs.n_ranks + 1
-        gb, relayed = self.gb[b0:b1], self.relayed[b0:b1]
-        depends = np.take(self.table.pattern_mixed, self.pattern[b0:b1]) & ~relayed
-        tag = np.where(depends, buckets[:, 1], span - 1)
-        units, inverse = np.unique((gb * 2 + relayed) * span + tag, return_inverse=True)
-        t = self.table
-        ub, tag = units // span, units % span
-        lo = np.take(t.bucket_at, ub >> 1)
-        rows = np.take(t.bucket_at, (ub >> 1) + 1) - lo
-        starts = np.concatenate([[0], np.cumsum(rows)])[:-1]
-
-        def build_units() -> PackedRows:
-            need = np.take(t.order, expand_ranges(lo, rows))
-            sender = np.repeat(np.where(tag < span - 1, tag, -1), rows)
-            return t.rows(need, np.repeat((ub & 1).astype(bool), rows), sender)
-
-        block = self.programs.block(("buckets", units.tobytes()), build_units)
-        at = expand_ranges(np.take(starts, inverse.reshape(-1)), buckets[:, 4]).astype(np.int32)
-        return PackedSide(buckets, at, block)

@@ -7,12 +7,12 @@ are cached by the coordinates that determine them (see `RankCache`).
 
 from __future__ import annotations
 
-import gc
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar, cast
 
+from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Box, LocalTensorMeta, Piece, Range, RankShard
 from sync_runtime.core.manifest import Manifest, TensorMeta
 from sync_runtime.core.models.config import ModelDims, model_dims
@@ -236,20 +236,7 @@ class ShardBuilder:
         return RankShard(coord, tuple(self.tensors), tuple(self.pieces))
 
 
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while building shards.
-
-    A Kimi-K2 shard build allocates ~1e5 small tuples and Pieces that never form cycles; without
-    this, generation-2 collections triggered by those allocations doubled the build time.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
+Part = TypeVar("Part")
 
 
 class RankCache:
@@ -292,17 +279,16 @@ class RankCache:
             return shard
         return RankShard(coord, shard.tensors, shard.pieces)
 
-    def part(self, view: ModelView, spec: ParallelSpec, key: Hashable, build: Callable[[], object]) -> object:
+    def part(self, view: ModelView, spec: ParallelSpec, key: Hashable, build: Callable[[], Part]) -> Part:
         """A value several shards of `view` and `spec` share (what all EP ranks of one stage and TP
         rank hold, say): built once while those shards are cached, dropped with them."""
         entry = self._by_model.get((id(view), spec))
         if entry is None or entry[0] is not view:  # a build outside `get`: nothing to share with
             return build()
         parts = entry[2]
-        found = parts.get(key)
-        if found is None:
-            found = parts[key] = build()
-        return found
+        if key not in parts:
+            parts[key] = build()
+        return cast(Part, parts[key])  # one key, one kind of part: the caller's
 
 
 class RuleLayout:

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import cast
 
 from sync_runtime.core.layouts._rules import (
     EMBED,
@@ -173,7 +172,7 @@ class MegatronLayout(RuleLayout):
     def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
         key = ("stage", coord.pp_rank, coord.tp_rank)
         stage = self._cache.part(view, spec, key, lambda: _stage(view, spec, coord, self.naming))
-        return _build(spec, coord, self.naming, cast(Stage, stage))
+        return _build(spec, coord, self.naming, stage)
 
     def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
         moe = bool(view.dims.moe_layers)
