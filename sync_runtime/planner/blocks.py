@@ -56,6 +56,17 @@ class BlockCache:
     def __reduce__(self) -> tuple:
         return (BlockCache, (self.limit,))  # a cache travels empty
 
+    def missing(self, keys: list[tuple]) -> list[int]:
+        """Positions of the keys of `keys` not cached (each key once, first position)."""
+        with self._lock:
+            seen: set[tuple] = set()
+            out = []
+            for i, key in enumerate(keys):
+                if key not in self._blocks and key not in seen:
+                    seen.add(key)
+                    out.append(i)
+            return out
+
     def get(self, key: tuple, build: Callable[[], PackedRows]) -> PackedRows:
         with self._lock:
             found = self._blocks.get(key)
@@ -117,12 +128,20 @@ class Senders:
         return ("patterns", self.units[self.at[rank] : self.at[rank + 1]].tobytes())
 
     def build(self, table: NeedTable, rank: int) -> PackedRows:
-        units = self.units[self.at[rank] : self.at[rank + 1]]
-        rows = self.rows[self.at[rank] : self.at[rank + 1]]
+        return self.build_many(table, [rank])[0]
+
+    def build_many(self, table: NeedTable, ranks: list[int]) -> list[PackedRows]:
+        """The blocks of `ranks` in one batch (one block alone costs ~0.2 ms of numpy calls:
+        8,128 senders at 12,288 ranks, each block used once)."""
+        lo = self.at[np.asarray(ranks, dtype=np.int64)]
+        n_units = self.at[np.asarray(ranks, dtype=np.int64) + 1] - lo
+        pick = expand_ranges(lo, n_units)
+        units, rows = self.units[pick], self.rows[pick]
         need = np.take(table.order, expand_ranges(table.pattern_at[units // self.span], rows))
         tag = units % self.span
         sender = np.repeat(np.where(tag < self.span - 1, tag, -1), rows)
-        return table.rows(need, None, sender)
+        bounds = np.concatenate([[0], np.cumsum(rows)])[np.concatenate([[0], np.cumsum(n_units)])]
+        return table.blocks(need, bounds, None, sender)
 
 
 class Side:

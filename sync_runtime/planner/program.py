@@ -326,10 +326,18 @@ class CompactPrograms:
         sends, recvs = sides
         send_index, send_senders = sends.by_sender(senders, ranks, inside)
         recv_index, recv_lists = recvs.by_list()
+        # The chunk's sender blocks not cached yet, built in one batch (one by one, ~0.2 ms each)
+        keyed = {i: senders.key(int(ranks[i])) for i, whole in enumerate(send_senders) if whole}
+        positions = list(keyed)
+        todo = [positions[j] for j in self._blocks.missing(list(keyed.values()))]
+        built = senders.build_many(table, [int(ranks[i]) for i in todo]) if todo else []
+        prebuilt = {keyed[i]: block for i, block in zip(todo, built, strict=True)}
         for i, rank in enumerate(chunk):
             if send_senders[i]:
-                r = int(ranks[i])
-                s = sends.packed(i, send_index, senders.key(r), partial(senders.build, table, r))
+                r, key = int(ranks[i]), keyed[i]
+                block = prebuilt.get(key)
+                build = partial(senders.build, table, r) if block is None else partial(_given, block)
+                s = sends.packed(i, send_index, key, build)
             else:
                 s = sends.packed(i, send_index, None, None)
             if recv_lists[i]:
@@ -361,3 +369,7 @@ class CompactPrograms:
 
     def all_rounds(self) -> tuple[Round, ...]:
         return tuple(Round(r) for r in self._per_round(np.arange(len(self.round))))
+
+
+def _given(block: PackedRows) -> PackedRows:
+    return block
