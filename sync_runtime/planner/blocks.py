@@ -102,7 +102,7 @@ class Senders:
         pair_pattern = programs.pair_pattern
         relayed = programs.relayed
         pair = programs.pair.astype(np.int64, copy=False)
-        direct = np.bincount(pair[~relayed], minlength=n_pairs)
+        direct = np.bincount(pair[~relayed] if relayed.any() else pair, minlength=n_pairs)
         per_pattern = np.diff(np.append(table.pat_base, len(table.bucket_at) - 1))
         partial = (direct > 0) & (direct != per_pattern[pair_pattern])
         self.good = np.ones(n_ranks + 1, dtype=bool)
