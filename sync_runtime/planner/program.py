@@ -87,7 +87,7 @@ class PairBook:
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
         self.patterns: list[Pattern] = []
-        self.pair_pattern_ids: dict[tuple, int] = {}
+        self._pattern_ids: dict[tuple, int] = {}
         self._segments: dict[int, Segments] = {}
         self._alive: list[list[Need]] = []  # keys are ids: keep the lists alive
         self.pair_src: list[int] = []
@@ -124,12 +124,12 @@ class PairBook:
 
     def pattern(self, needs: list[Need], parts: tuple[int | tuple[int, ...], ...]) -> int:
         key = (id(needs), parts)
-        pid = self.pair_pattern_ids.get(key)
+        pid = self._pattern_ids.get(key)
         if pid is None:
             segs = self._segments[id(needs)]
             order = [i for p in parts for i in (segs[p][1] if isinstance(p, int) else p)]
             bounds, sizes = _pack(needs, order, self.bucket_bytes)
-            pid = self.pair_pattern_ids[key] = len(self.patterns)
+            pid = self._pattern_ids[key] = len(self.patterns)
             self.patterns.append(Pattern(needs, order, bounds, sizes))
         return pid
 
@@ -210,8 +210,8 @@ class CompactPrograms:
         self._by_src, self._src_at = grouped(self.src, n_ranks)
         self._by_dst, self._dst_at = grouped(self.dst, n_ranks)
         self.n_ranks = n_ranks
-        self._nbytes, self._count = self._bucket_tables()
         self.pair_pattern = np.asarray(book.pair_pattern, dtype=np.int64)
+        self._nbytes, self._count = self._bucket_tables()
         self._table: NeedTable | None = None
         self._per_rank: list[int] | None = None
         self._sender_units: Senders | None = None
@@ -238,7 +238,7 @@ class CompactPrograms:
         first = np.concatenate([[0], np.cumsum([len(p.sizes) for p in patterns])]).astype(np.int64)
         sizes = narrow([n for p in patterns for n in p.sizes])
         counts = narrow(np.concatenate([np.diff(p.bounds) for p in patterns]) if patterns else [])
-        flat = narrow(first, int(first[-1]))[np.asarray(self.book.pair_pattern, dtype=np.int64)]
+        flat = narrow(first, int(first[-1]))[self.pair_pattern]
         flat = flat[self.pair]
         flat += self.k
         return sizes[flat], counts[flat]
@@ -300,8 +300,9 @@ class CompactPrograms:
             else:  # every pair moves all of its pattern: ~10x fewer pairs than buckets
                 per_pattern = np.array([len(p.order) for p in self.book.patterns], dtype=np.float64)
                 weights = per_pattern[self.pair_pattern]
-                sent = np.bincount(np.asarray(self.book.pair_src), weights=weights, minlength=n)
-                received = np.bincount(np.asarray(self.book.pair_dst), weights=weights, minlength=n)
+                sent = np.bincount(self.pair_src, weights=weights, minlength=n)
+                pair_dst = np.asarray(self.book.pair_dst, dtype=np.int64)
+                received = np.bincount(pair_dst, weights=weights, minlength=n)
             self._per_rank = (sent + received).astype(np.int64).tolist()
         return self._per_rank
 
