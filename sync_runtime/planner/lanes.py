@@ -285,8 +285,7 @@ def _deal(
             out.append((src, cols[1], cols[3], cols[0]))
     cols4 = [np.concatenate([o[c] for o in out]) if out else np.zeros(0, dtype=np.int64) for c in range(4)]
     # Pairs in receiver order, as the greedy path files them (stable: segment order kept).
-    narrow = np.int16 if n_ranks < 1 << 15 else np.int64  # 16-bit keys: numpy sorts by radix
-    by_dst = np.argsort(cols4[1].astype(narrow), kind="stable")
+    by_dst, _ = grouped(cols4[1], n_ranks)
     src, dst, pattern, start = (c[by_dst] for c in cols4)
     return src, dst, pattern, start
 
