@@ -6,7 +6,9 @@ batches; the cases cover relay copies, cells whose holders store them under diff
 (tied embeddings) and sources with leading local dims (vLLM's fused experts as the source). The
 holder index's two lookups (dense table, sorted keys) agree with a dict. Rows blocks shared by
 ranks (from the cache) pickle as blocks built afresh. A perturbed program (a moved box, reversed
-names, a transfer pointing at another transfer's row) must fail the comparison.
+names, a transfer pointing at another transfer's row) must fail the comparison. A receiver's
+block (shared by every replica at its position) travels compressed and inflates to the same rows;
+a damaged one is refused.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sync_runtime.core.block_wire import HEAD
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.plan import PackedProgram, PackedRows, PackedSide, RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
@@ -166,6 +169,34 @@ def test_shared_blocks_equal_fresh_ones(case: tuple[str, str, str, str, str], re
         assert shared > 0  # replicas at one destination position share their block
     if warm.relayed.any():
         assert "buckets" in kinds  # relay copies: per distinct bucket
+
+
+def test_a_receivers_block_travels_compressed_and_inflates_to_the_same_rows() -> None:
+    plan = _plan(COMPILE_CASES[0], 2048, 16384, "off")
+    rank = len(plan.ranks) - 1  # a destination receiving its whole needs list directly
+    program = _programs(plan).rank_plan(rank, plan.digest)
+    rows = _packed(program).recvs.rows
+    assert rows.wire is not None
+    plain = PackedRows(rows.transfers, rows.nbytes, rows.names)  # the same block, uncompressed
+    blob = pickle.dumps(program)
+    assert len(blob) < len(
+        pickle.dumps(_with_recvs(program, dataclasses.replace(_packed(program).recvs, rows=plain)))
+    )
+    back = _packed(pickle.loads(blob)).recvs.rows
+    assert back.names == plain.names
+    assert back.transfers.dtype == np.int32 and np.array_equal(back.transfers, plain.transfers)
+    assert back.nbytes.dtype == np.int64 and np.array_equal(back.nbytes, plain.nbytes)
+    assert pickle.loads(blob) == reference_cut(plan, rank)
+    # damaged: a header that does not match the body, a truncated body, a names count off by one
+    n_rows, width, n_names, n_text = HEAD.unpack_from(rows.wire)
+    body = rows.wire[HEAD.size :]
+    for bad in (
+        HEAD.pack(n_rows + 1, width, n_names, n_text) + body,
+        rows.wire[:-5],
+        HEAD.pack(n_rows, width, n_names + 1, n_text) + body,
+    ):
+        with pytest.raises(ValueError, match="compressed rows block"):
+            pickle.loads(pickle.dumps(dataclasses.replace(rows, wire=bad)))
 
 
 @pytest.mark.parametrize("dense_limit", [1 << 30, 0])

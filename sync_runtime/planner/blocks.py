@@ -86,7 +86,10 @@ class BlockCache:
 
 
 def _block_bytes(block: PackedRows) -> int:
-    return block.transfers.nbytes + block.nbytes.nbytes + len(block.joined or "") + 64 * len(block.names)
+    wire = len(block.wire or b"")
+    return (
+        block.transfers.nbytes + block.nbytes.nbytes + len(block.joined or "") + 64 * len(block.names) + wire
+    )
 
 
 class Senders:

@@ -25,7 +25,7 @@ from functools import partial
 import numpy as np
 
 from sync_runtime.core.gc_pause import gc_paused
-from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, RankPlan, Round, Transfer
+from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, RankPlan, Round, Transfer, compressed
 from sync_runtime.planner.blocks import BLOCK_CACHE_BYTES, BlockCache, Senders, Side
 from sync_runtime.planner.columns import grouped, narrow
 from sync_runtime.planner.needs import Need, encode_needs, int_section
@@ -350,10 +350,10 @@ class CompactPrograms:
 
     def _list_rows(self, lst: int) -> PackedRows:
         """Every need of needs list `lst`, in list order, received directly (one block serves
-        every replica at that destination position)."""
+        every replica at that destination position: compressed once, core/plan.py)."""
         t = self.table()
         base = int(t.list_base[lst])
-        return t.rows(np.arange(base, base + int(t.list_len[lst]), dtype=np.int64))
+        return compressed(t.rows(np.arange(base, base + int(t.list_len[lst]), dtype=np.int64)))
 
     def _senders(self) -> Senders:
         if self._sender_units is None:
