@@ -5,7 +5,8 @@
 - light holder sets dealt from a heap choose what per-occupation argmin choices would;
 - the lane schedule, forced onto small plans, keeps the planner's invariants, and its quality
   gate for mid-size plans falls back to the greedy schedule;
-- the sliced counting sort and per-rank byte sums equal numpy's stable argsort and one bincount.
+- the sliced counting sort and per-rank byte sums equal numpy's stable argsort and one bincount;
+- numpy's huge-page advice is off while planning and the caller's setting restored after.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from sync_runtime.core import cost as cost_model
+from sync_runtime.core import hugepages
 from sync_runtime.core.cost import BucketArrays, LinkCost
 from sync_runtime.core.layouts.base import Piece
 from sync_runtime.core.models import build_manifest, load_model_config
@@ -188,3 +190,29 @@ def test_bytes_per_rank_in_slices_equals_one_bincount(seed: int, monkeypatch: py
     got = cost_model.bytes_per_rank(ranks, nbytes, 9)
     want = [sum(int(b) for r, b in zip(ranks, nbytes, strict=True) if r == rank) for rank in range(9)]
     assert got.astype(np.int64).tolist() == want
+
+
+@pytest.mark.skipif(hugepages._set_madvise_hugepage is None, reason="this numpy has no huge-page switch")
+@pytest.mark.parametrize("caller", [True, False])
+def test_hugepage_advice_is_off_while_planning_and_restored(caller: bool) -> None:
+    switch = hugepages._set_madvise_hugepage
+    assert switch is not None
+
+    def advised() -> bool:
+        was = switch(True)
+        switch(was)
+        return bool(was)
+
+    before = switch(caller)
+    try:
+        with hugepages.hugepages_unadvised():
+            assert advised() is False
+            with hugepages.hugepages_unadvised():  # nested: the outer pass's setting comes back
+                pass
+            assert advised() is False
+        assert advised() is caller
+        with pytest.raises(RuntimeError), hugepages.hugepages_unadvised():
+            raise RuntimeError("a failed pass restores it too")
+        assert advised() is caller
+    finally:
+        switch(before)

@@ -138,7 +138,8 @@ def _inflate_rows(wire: bytes) -> PackedRows:
 class PackedSide:
     """One direction of a rank's program as arrays (what travels to the rank, see `RankPlan`).
 
-    `buckets` rows: round, src, dst, nbytes, transfer count (int64). `index` (int32): per
+    `buckets` rows: round, src, dst, nbytes, transfer count (int32 where every bucket of the
+    plan fits it, else int64). `index` (int32): per
     transfer, in bucket order, its row of `rows`. Rows are stored once per distinct row, not
     once per transfer: a sender sends the same bucket to every replica of a destination position
     (~20x at 12,288 ranks), and the replicas at one position receive the same needs (in other

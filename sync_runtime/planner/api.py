@@ -18,6 +18,7 @@ import numpy as np
 from sync_runtime.core import layouts as _layouts
 from sync_runtime.core.cost import floor_seconds_arrays, predict_seconds_arrays
 from sync_runtime.core.gc_pause import gc_paused
+from sync_runtime.core.hugepages import hugepages_unadvised
 from sync_runtime.core.layouts.base import Layout, Piece
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
@@ -56,7 +57,8 @@ def plan_sync(
     `layout_lookup` (default `layouts.get_layout`) resolves layout names; tests pass their own.
     """
     started, started_cpu = time.perf_counter(), time.process_time()
-    with gc_paused():  # millions of small acyclic objects (gc_pause.py)
+    # millions of small acyclic objects (gc_pause.py); many large short-lived arrays (hugepages.py)
+    with gc_paused(), hugepages_unadvised():
         plan = _plan(manifest, source, destinations, config, layout_lookup or _layouts.get_layout)
     plan.stats["plan_seconds"] = time.perf_counter() - started
     plan.stats["plan_cpu_seconds"] = time.process_time() - started_cpu

@@ -168,6 +168,7 @@ class Side:
         self.b_list = self.b_at.tolist()
         self.t_list = self.t_at.tolist()
         self._first_list: list[int] = []
+        self._empty: PackedSide | None = None
 
     def by_sender(
         self, senders: Senders, ranks: np.ndarray, inside: np.ndarray
@@ -204,8 +205,11 @@ class Side:
         """Rank `i` of the chunk: its bucket rows, and its block (`key`, or per bucket)."""
         b0, b1, t0, t1 = self.b_list[i], self.b_list[i + 1], self.t_list[i], self.t_list[i + 1]
         buckets = self.buckets[b0:b1]
-        if b0 == b1:  # nothing this way: one empty block for all
-            key, build = ("empty",), partial(self.table.rows, np.zeros(0, dtype=np.int64))
+        if b0 == b1:  # nothing this way (half of all sides): one empty side for the chunk
+            if self._empty is None:
+                build = partial(self.table.rows, np.zeros(0, dtype=np.int64))
+                self._empty = PackedSide(buckets, index[t0:t1], self.programs.block(("empty",), build))
+            return self._empty
         if key is not None and build is not None:
             return PackedSide(buckets, index[t0:t1], self.programs.block(key, build))
         # Per bucket: one unit per distinct (pattern bucket, relayed, sender where rows depend on it).

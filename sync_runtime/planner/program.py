@@ -25,6 +25,7 @@ from functools import partial
 import numpy as np
 
 from sync_runtime.core.gc_pause import gc_paused
+from sync_runtime.core.hugepages import hugepages_unadvised
 from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, RankPlan, Round, Transfer, compressed
 from sync_runtime.planner.blocks import BLOCK_CACHE_BYTES, BlockCache, Senders, Side
 from sync_runtime.planner.columns import grouped, narrow
@@ -263,7 +264,7 @@ class CompactPrograms:
     def table(self) -> NeedTable:
         """The plan's need table (built on first use: only programs need it)."""
         if self._table is None:
-            with gc_paused():  # one row of ints and tuples per need and cell (gc_pause.py)
+            with gc_paused(), hugepages_unadvised():  # one row of ints and tuples per need and cell
                 self._table = self.book.table()
         return self._table
 
@@ -312,26 +313,15 @@ class CompactPrograms:
         used the same rows."""
         table = self.table()
         senders = self._senders()
-        ranks = np.asarray(chunk, dtype=np.int64)
-        inside = (ranks >= 0) & (ranks < self.n_ranks)
-        ranks = np.where(inside, ranks, 0)
-        cols = (self.round, self.src, self.dst, self._nbytes, self._count)
-        sides = []
-        for order, at in ((self._by_src, self._src_at), (self._by_dst, self._dst_at)):
-            counts = np.where(inside, at[ranks + 1] - at[ranks], 0)
-            rows = np.take(order, expand_ranges(at[ranks], counts))
-            buckets = np.stack([np.take(c, rows) for c in cols], axis=1).astype(np.int64, copy=False)
-            b_at = np.concatenate([[0], np.cumsum(counts)])
-            t_at = np.concatenate([[0], np.cumsum(buckets[:, 4])])[b_at]
-            sides.append(Side(self, table, rows, buckets, b_at, t_at))
-        sends, recvs = sides
-        send_index, send_senders = sends.by_sender(senders, ranks, inside)
-        recv_index, recv_lists = recvs.by_list()
-        # The chunk's sender blocks not cached yet, built in one batch (one by one, ~0.2 ms each)
-        keyed = {i: senders.key(int(ranks[i])) for i, whole in enumerate(send_senders) if whole}
-        positions = list(keyed)
-        todo = [positions[j] for j in self._blocks.missing(list(keyed.values()))]
-        built = senders.build_many(table, [int(ranks[i]) for i in todo]) if todo else []
+        with hugepages_unadvised():  # the chunk's arrays (hugepages.py); not around the yields
+            sends, recvs, ranks, inside = self._sides(chunk, table)
+            send_index, send_senders = sends.by_sender(senders, ranks, inside)
+            recv_index, recv_lists = recvs.by_list()
+            # The chunk's sender blocks not cached yet, built in one batch (one by one, ~0.2 ms each)
+            keyed = {i: senders.key(int(ranks[i])) for i, whole in enumerate(send_senders) if whole}
+            positions = list(keyed)
+            todo = [positions[j] for j in self._blocks.missing(list(keyed.values()))]
+            built = senders.build_many(table, [int(ranks[i]) for i in todo]) if todo else []
         prebuilt = {keyed[i]: block for i, block in zip(todo, built, strict=True)}
         for i, rank in enumerate(chunk):
             if send_senders[i]:
@@ -347,6 +337,22 @@ class CompactPrograms:
             else:
                 r_side = recvs.packed(i, recv_index, None, None)
             yield RankPlan(rank, digest, packed=PackedProgram(self.n_rounds, table.width, s, r_side))
+
+    def _sides(self, chunk: list[int], table: NeedTable) -> tuple[Side, Side, np.ndarray, np.ndarray]:
+        """The chunk's sends and receives: bucket rows gathered for all its ranks at once."""
+        ranks = np.asarray(chunk, dtype=np.int64)
+        inside = (ranks >= 0) & (ranks < self.n_ranks)
+        ranks = np.where(inside, ranks, 0)
+        cols = (self.round, self.src, self.dst, self._nbytes, self._count)
+        sides = []
+        for order, at in ((self._by_src, self._src_at), (self._by_dst, self._dst_at)):
+            counts = np.where(inside, at[ranks + 1] - at[ranks], 0)
+            rows = np.take(order, expand_ranges(at[ranks], counts))
+            buckets = np.stack([np.take(c, rows) for c in cols], axis=1)  # int32 where all fit
+            b_at = np.concatenate([[0], np.cumsum(counts)])
+            t_at = np.concatenate([[0], np.cumsum(buckets[:, 4])])[b_at]
+            sides.append(Side(self, table, rows, buckets, b_at, t_at))
+        return sides[0], sides[1], ranks, inside
 
     def _list_rows(self, lst: int) -> PackedRows:
         """Every need of needs list `lst`, in list order, received directly (one block serves
