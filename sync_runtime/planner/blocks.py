@@ -154,17 +154,21 @@ class Side:
         self,
         programs: PlanColumns,
         table: NeedTable,
-        rows: np.ndarray,
         buckets: np.ndarray,
         b_at: np.ndarray,
         t_at: np.ndarray,
+        pair: np.ndarray,
+        pattern: np.ndarray,
+        relayed: np.ndarray,
+        gb: np.ndarray,
+        lo: np.ndarray,
     ):
+        """`buckets`: the chunk's bucket rows (core/plan.py PackedSide), rank after rank, from
+        `b_at`; their transfers from `t_at`. Per row: its pair, the pair's pattern, whether it is
+        a relay copy, the bucket of the pattern (`gb`, global) and that bucket's first entry of
+        `table.order` (`lo`)."""
         self.programs, self.table, self.buckets, self.b_at, self.t_at = programs, table, buckets, b_at, t_at
-        self.pair = np.take(programs.pair, rows)
-        self.pattern = np.take(programs.pair_pattern, self.pair)
-        self.relayed = np.take(programs.relayed, rows)
-        self.gb = np.take(table.pat_base, self.pattern) + np.take(programs.k, rows)
-        self.lo = np.take(table.bucket_at, self.gb)
+        self.pair, self.pattern, self.relayed, self.gb, self.lo = pair, pattern, relayed, gb, lo
         self.b_list = self.b_at.tolist()
         self.t_list = self.t_at.tolist()
         self._first_list: list[int] = []
