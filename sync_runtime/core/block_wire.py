@@ -1,8 +1,13 @@
-"""The compressed wire form of a packed program's rows block (core/plan.py `compressed`).
+"""Wire forms of a packed program's arrays (core/plan.py).
 
-A header (rows, row width, names, bytes of the joined names), then zlib of the int32 rows, the
-int64 per-row byte counts and the UTF-8 joined names, little-endian. Inflating never reads past
-what the header announces and refuses a body that does not match it.
+`flat`/`unflat`: an array as its raw bytes, dtype and shape. numpy's own pickling of an array
+costs ~8 us whatever its size (its reduce goes through Python), and a program holds eight small
+arrays: pickling all 12,288 programs took 0.75-1.04 s that way, 0.49-0.60 s this way (3 runs each).
+
+`deflate`/`inflate`, the compressed form of a rows block (`compressed`): a header (rows, row
+width, names, bytes of the joined names), then zlib of the int32 rows, the int64 per-row byte
+counts and the UTF-8 joined names, little-endian. Inflating never reads past what the header
+announces and refuses a body that does not match it.
 """
 
 from __future__ import annotations
@@ -38,3 +43,12 @@ def inflate(wire: bytes) -> tuple[np.ndarray, np.ndarray, int, str]:
     nbytes = np.frombuffer(body, dtype="<i8", count=n_rows, offset=at)
     # Native-order, writable copies (frombuffer views a read-only bytes object).
     return rows.astype(np.int32), nbytes.astype(np.int64), n_names, body[at + 8 * n_rows :].decode()
+
+
+def flat(array: np.ndarray) -> tuple[bytes, str, tuple[int, ...]]:
+    return array.tobytes(), array.dtype.str, array.shape
+
+
+def unflat(data: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The array `flat` gave (read-only: a view of the received bytes; programs only read it)."""
+    return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)

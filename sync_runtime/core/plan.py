@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sync_runtime.core.block_wire import deflate, inflate
+from sync_runtime.core.block_wire import deflate, flat, inflate, unflat
 from sync_runtime.core.layouts.base import Box
 from sync_runtime.core.topology import RankCoord
 
@@ -105,7 +105,11 @@ class PackedRows:
             joined = NAME_SEP.join(self.names)
             if joined.count(NAME_SEP) != max(len(self.names) - 1, 0):
                 return (PackedRows, (self.transfers, self.nbytes, self.names))
-        return (_joined_rows, (self.transfers, self.nbytes, len(self.names), joined))
+        return (_flat_rows, (flat(self.transfers), flat(self.nbytes), len(self.names), joined))
+
+
+def _flat_rows(transfers: tuple, nbytes: tuple, n_names: int, joined: str) -> PackedRows:
+    return _joined_rows(unflat(*transfers), unflat(*nbytes), n_names, joined)
 
 
 def _joined_rows(transfers: np.ndarray, nbytes: np.ndarray, n_names: int, joined: str) -> PackedRows:
@@ -151,8 +155,9 @@ class PackedSide:
     rows: PackedRows
 
     def __reduce__(self) -> tuple:
-        # Positional args: a slots dataclass otherwise pickles through Python-level state hooks.
-        return (PackedSide, (self.buckets, self.index, self.rows))
+        # Arrays as bytes (block_wire.py), positional args: a slots dataclass otherwise pickles
+        # through Python-level state hooks.
+        return (_flat_side, (flat(self.buckets), flat(self.index), self.rows))
 
     def unpack(self, width: int, n_rounds: int) -> PerRound:
         out: list[list[Bucket]] = [[] for _ in range(n_rounds)]
@@ -168,6 +173,10 @@ class PackedSide:
             at += count
             out[rnd].append(Bucket(src, dst, ts, nbytes))
         return tuple(tuple(r) for r in out)
+
+
+def _flat_side(buckets: tuple, index: tuple, rows: PackedRows) -> PackedSide:
+    return PackedSide(unflat(*buckets), unflat(*index), rows)
 
 
 @dataclass(frozen=True, slots=True)
