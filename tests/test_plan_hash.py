@@ -17,7 +17,8 @@ from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.planner.needs import Need
-from sync_runtime.planner.program import CompactPrograms, PairBook
+from sync_runtime.planner.pairs import PairBook
+from sync_runtime.planner.program import CompactPrograms
 
 
 def _book() -> PairBook:

@@ -4,7 +4,7 @@ Ranks are global ranks of the sync's single process group: source ranks first (i
 `SyncPlan.ranks`), then destination ranks. Within a round every rank sends and receives each of
 its buckets once; rounds run in order. A bucket is one flat message between one (src, dst) pair.
 
-A planned `SyncPlan` is backed by compact `RankPrograms` (the planner's per-pair patterns and
+A planned `SyncPlan` is backed by compact `RankPrograms` (the planner's per-pair patterns, pairs.py, and
 per-bucket arrays, see planner/program.py): `for_rank` cuts one rank's program from indices built
 once, `rank_plans` many ranks' in batched passes, and `rounds` (every bucket as objects) is only
 materialised when someone asks for it. A cut program is packed (`PackedProgram`): per side its

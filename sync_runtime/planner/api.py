@@ -30,7 +30,8 @@ from sync_runtime.planner.config import PlannerConfig, SideSpec
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
 from sync_runtime.planner.fill import refill
 from sync_runtime.planner.needs import Need, NeedBuilder
-from sync_runtime.planner.program import BucketRef, CompactPrograms, PairBook
+from sync_runtime.planner.pairs import BucketRef, PairBook
+from sync_runtime.planner.program import CompactPrograms
 from sync_runtime.planner.refine import SourceCell, build_shared_cells
 from sync_runtime.planner.schedule import direct_queue, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser

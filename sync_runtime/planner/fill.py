@@ -4,7 +4,7 @@ The lane schedule (lanes.py) moves one bucket per lane per round, so a round las
 full bucket whatever the bucket holds. Needs are cut at the bucket size but packed whole: two
 29 MB experts in a 64 MiB bucket fill it to 87% and stretch the cycle by as much (Kimi-K2,
 4096 destinations: predicted 1.13x the floor). Here, per needs list and holder set (one lane
-stream, program.py's segment), the need that would overflow a bucket is split by rows into a
+stream, pairs.py's segment), the need that would overflow a bucket is split by rows into a
 head that tops the bucket up and a tail that opens the next one. Bytes and coverage are
 unchanged: a need becomes two adjacent needs of the same cell, so the wire still carries the
 lower bound and every destination element is still written once.
@@ -58,7 +58,7 @@ def _sub(need: Need, canon: Box, dst: Box, nbytes: int) -> Need:
 
 
 def _refill(needs: list[Need], bucket_bytes: int) -> list[Need]:
-    """`needs` with overflowing needs split (order kept; each holder set packs as program._pack)."""
+    """`needs` with overflowing needs split (order kept; each holder set packs as pairs._pack)."""
     out: list[Need] = []
     used: dict[tuple[int, ...], int] = {}
     for need in needs:

@@ -2,7 +2,7 @@
 
 The greedy scheduler (schedule.py) fills every receiver every round: ~2.4 M calls for 4096
 destination ranks, minutes of CPU. Large fleets are symmetric instead: every replica at a
-position needs the same segments (needs grouped by holder set, see program.py), from any of
+position needs the same segments (needs grouped by holder set, see pairs.py), from any of
 the segment's identical holders. So:
 
 - Lanes. A receiver takes at most `lanes = min(max_fan_in, round_bytes // bucket_bytes)` buckets
@@ -35,7 +35,7 @@ from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.planner.columns import grouped, index_dtype
 from sync_runtime.planner.config import PlannerConfig
 from sync_runtime.planner.needs import Need
-from sync_runtime.planner.program import PairBook
+from sync_runtime.planner.pairs import PairBook
 
 LANES_MIN_BUCKETS = 100_000
 """Plans estimated at this many buckets or more try the symmetric schedule (tests lower it)."""

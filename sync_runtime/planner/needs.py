@@ -4,7 +4,7 @@ A *position* is a destination rank's coordinate without its replica index; every
 (layout, spec) side at that position holds the same shard, so its needs are computed once and
 instantiated per replica. Intersections are cached by box pattern (the source cells' boxes of a
 tensor plus the destination piece's box), which many tensors share (every expert of every layer).
-`encode_needs` is a needs list's canonical bytes for the plan digest (program.py content_hash).
+`encode_needs` is a needs list's canonical bytes for the plan digest (pairs.py content_hash).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class _Relays:
         self.by_forwarder = queues
 
     def scheduled(self, bucket: Bucket, index: int) -> None:
-        copy = getattr(bucket, "relay_copy", None)  # compact refs copy themselves (planner/program.py)
+        copy = getattr(bucket, "relay_copy", None)  # compact refs copy themselves (planner/pairs.py)
         for q in self.by_forwarder.get(bucket.dst_rank, ()):
             q.buckets.append(copy(q.src, q.dst) if copy else _relay_copy(bucket, q.src, q.dst))
             q.ready.append(index + 1)
