@@ -4,6 +4,11 @@ Shard builds, planning and the need table allocate millions of small acyclic obj
 needs, tuples, ints); the collector would rescan the growing heap again and again (measured:
 ~40% of plan time on Kimi-K2, twice the time of a Kimi-K2 shard build). Nothing there forms
 cycles that need it, so it is paused and the caller's setting restored.
+
+What the pass leaves alive is moved to the oldest generation on the way out (`gc.freeze` then
+`gc.unfreeze`: a list splice, nothing scanned). Left in the youngest, all of it would be scanned
+by the first collection after the pause, and again as it ages: 0.42 s right after planning
+12,288 ranks.
 """
 
 from __future__ import annotations
@@ -20,5 +25,7 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        gc.freeze()  # survivors to the oldest generation (see the module docstring)
+        gc.unfreeze()
         if was_enabled:
             gc.enable()
