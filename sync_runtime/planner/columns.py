@@ -26,23 +26,27 @@ def narrow(values: np.ndarray | list[int], largest: int | None = None) -> np.nda
 
 
 GROUP_SLICE = 1 << 20
-"""Rows `grouped` orders at once: its sort temporaries stay ~10 MB and are reused slice to slice
-(one argsort of 8.5 M rows returns a 68 MB int64 order, all of it fresh memory)."""
+"""Rows `grouped` orders at once where keys need more than 16 bits: its sort temporaries stay
+~10 MB and are reused slice to slice (one argsort of 8.5 M rows returns a 68 MB int64 order, all
+of it fresh memory)."""
 
 
 def grouped(keys: np.ndarray, n_keys: int) -> tuple[np.ndarray, np.ndarray]:
     """A stable counting sort: the row indices of `keys` (values in [0, n_keys)) grouped by key,
     rows of one key in their original order, and where each key's group starts (plus the end).
 
-    The same order as `np.argsort(keys, kind="stable")`, in `index_dtype`, computed a slice of
-    rows at a time: each slice's rows go after the earlier slices' rows of the same key."""
+    The same order as `np.argsort(keys, kind="stable")`, in `index_dtype`. Keys wider than 16
+    bits are ordered a slice of rows at a time: each slice's rows go after the earlier slices'
+    rows of the same key."""
     counts = np.bincount(keys, minlength=n_keys)
     at = np.concatenate([[0], np.cumsum(counts)])
     dtype = index_dtype(len(keys))
+    if n_keys <= 1 << 15:  # 16-bit keys: numpy's stable argsort is a radix sort, one pass over
+        # all rows beats the slices (0.24 against 0.34 s at 8.5 M rows, 12,288 keys)
+        return np.argsort(keys.astype(np.int16), kind="stable").astype(dtype), at
     order = np.empty(len(keys), dtype=dtype)
     cursor = at[:-1].copy()  # next free slot of each key
-    small = keys.dtype if n_keys <= np.iinfo(keys.dtype).max else np.int64
-    narrow_keys = np.int16 if n_keys < 1 << 15 else small  # 16-bit keys: numpy sorts by radix
+    narrow_keys = keys.dtype if n_keys <= np.iinfo(keys.dtype).max else np.int64
     for first in range(0, len(keys), GROUP_SLICE):
         part = keys[first : first + GROUP_SLICE]
         local = np.argsort(part.astype(narrow_keys), kind="stable")
