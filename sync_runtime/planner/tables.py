@@ -22,6 +22,7 @@ import numpy as np
 
 from sync_runtime.core.layouts.base import Box, Piece
 from sync_runtime.core.plan import BOX_FIELDS, NAME_SEP, PackedRows
+from sync_runtime.planner.columns import index_dtype
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.refine import SourceCell
 
@@ -256,11 +257,12 @@ class NeedTable:
         # block (blocks are shared by ranks, so this is not paid per rank): ids offset by the
         # block, sorted once, are every block's used names one block after the other.
         n_blocks, n_names = len(bounds) - 1, len(self.names)
-        block = np.repeat(np.arange(n_blocks, dtype=np.int64) * n_names, np.diff(bounds))
+        wide = index_dtype((n_blocks + 1) * n_names)  # 32-bit keys where they fit: faster sorts
+        block = np.repeat(np.arange(n_blocks, dtype=wide) * n_names, np.diff(bounds))
         keys = transfers[:, :3] + block[:, None]
         used = np.sort(keys, axis=None)  # np.unique's Python-level overhead was most of this
         used = used[np.concatenate([[True], used[1:] != used[:-1]])] if len(used) else used
-        first = np.searchsorted(used, np.arange(n_blocks + 1, dtype=np.int64) * n_names)
+        first = np.searchsorted(used, np.arange(n_blocks + 1, dtype=wide) * n_names)
         transfers[:, :3] = np.searchsorted(used, keys) - np.repeat(first[:-1], np.diff(bounds))[:, None]
         names = self._name_objects[used % max(n_names, 1)].tolist()
         nbytes = np.take(self.nbytes, need)
