@@ -6,7 +6,8 @@
 - the lane schedule, forced onto small plans, keeps the planner's invariants, and its quality
   gate for mid-size plans falls back to the greedy schedule;
 - the sliced counting sort and per-rank byte sums equal numpy's stable argsort and one bincount;
-- numpy's huge-page advice is off while planning and the caller's setting restored after;
+- numpy's huge-page advice is off while planning and the caller's setting restored after; glibc
+  serves a large array freed and allocated again from memory it kept (no page faults);
 - the collector is off while planning, and what planning leaves alive starts in the oldest
   generation (the first young collection after it would otherwise scan all of it).
 """
@@ -14,13 +15,15 @@
 from __future__ import annotations
 
 import gc
+import platform
 import random
+import resource
 
 import numpy as np
 import pytest
 
 from sync_runtime.core import cost as cost_model
-from sync_runtime.core import hugepages
+from sync_runtime.core import memory
 from sync_runtime.core.cost import BucketArrays, LinkCost
 from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Piece
@@ -198,10 +201,10 @@ def test_bytes_per_rank_in_slices_equals_one_bincount(seed: int, monkeypatch: py
     assert got.astype(np.int64).tolist() == want
 
 
-@pytest.mark.skipif(hugepages._set_madvise_hugepage is None, reason="this numpy has no huge-page switch")
+@pytest.mark.skipif(memory._set_madvise_hugepage is None, reason="this numpy has no huge-page switch")
 @pytest.mark.parametrize("caller", [True, False])
 def test_hugepage_advice_is_off_while_planning_and_restored(caller: bool) -> None:
-    switch = hugepages._set_madvise_hugepage
+    switch = memory._set_madvise_hugepage
     assert switch is not None
 
     def advised() -> bool:
@@ -211,13 +214,13 @@ def test_hugepage_advice_is_off_while_planning_and_restored(caller: bool) -> Non
 
     before = switch(caller)
     try:
-        with hugepages.hugepages_unadvised():
+        with memory.hugepages_unadvised():
             assert advised() is False
-            with hugepages.hugepages_unadvised():  # nested: the outer pass's setting comes back
+            with memory.hugepages_unadvised():  # nested: the outer pass's setting comes back
                 pass
             assert advised() is False
         assert advised() is caller
-        with pytest.raises(RuntimeError), hugepages.hugepages_unadvised():
+        with pytest.raises(RuntimeError), memory.hugepages_unadvised():
             raise RuntimeError("a failed pass restores it too")
         assert advised() is caller
     finally:
@@ -240,3 +243,19 @@ def test_gc_paused_leaves_survivors_in_the_oldest_generation(enabled: bool) -> N
         assert id(control) in {id(o) for o in gc.get_objects(generation=0)}
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
+def test_large_blocks_come_back_from_the_heap_without_page_faults() -> None:
+    def faults_of_a_fresh_array() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        block = np.ones(64 << 20, dtype=np.uint8)  # 64 MiB: past glibc's largest mmap threshold
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        del block
+        return faults
+
+    with memory.hugepages_unadvised():  # 4 KiB pages: the counts below are of pages
+        assert memory.keep_large_blocks_on_heap() is True
+        assert memory.keep_large_blocks_on_heap() is True  # once per process; asking again is free
+        faults_of_a_fresh_array()  # the heap grows to hold it once
+        assert faults_of_a_fresh_array() < 1000  # 16,384 pages if it were mapped afresh

@@ -18,9 +18,9 @@ import numpy as np
 from sync_runtime.core import layouts as _layouts
 from sync_runtime.core.cost import floor_seconds_arrays, predict_seconds_arrays
 from sync_runtime.core.gc_pause import gc_paused
-from sync_runtime.core.hugepages import hugepages_unadvised
 from sync_runtime.core.layouts.base import Layout, Piece
 from sync_runtime.core.manifest import Manifest
+from sync_runtime.core.memory import hugepages_unadvised, keep_large_blocks_on_heap
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.errors import LayoutError, PlanError, TopologyError
@@ -58,7 +58,8 @@ def plan_sync(
     `layout_lookup` (default `layouts.get_layout`) resolves layout names; tests pass their own.
     """
     started, started_cpu = time.perf_counter(), time.process_time()
-    # millions of small acyclic objects (gc_pause.py); many large short-lived arrays (hugepages.py)
+    keep_large_blocks_on_heap()  # many large short-lived arrays (core/memory.py)
+    # millions of small acyclic objects (gc_pause.py)
     with gc_paused(), hugepages_unadvised():
         plan = _plan(manifest, source, destinations, config, layout_lookup or _layouts.get_layout)
     plan.stats["plan_seconds"] = time.perf_counter() - started

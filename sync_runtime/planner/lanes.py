@@ -193,6 +193,13 @@ def _light(
     rows = [busy.row(r) for r in ranks]
     picked: list[int] = []  # holder positions, in start order
     for s, n, nbytes in zip(*(c[order].tolist() for c in (cols[0], cols[2], cols[4])), strict=True):
+        key = heap[0]
+        row = rows[key % width]
+        if n == 1 and row[s] < lanes:  # most light occupations: one bucket, least loaded free
+            row[s] += 1
+            heapq.heapreplace(heap, key + nbytes * width)
+            picked.append(key % width)
+            continue
         skipped: list[int] = []
         while heap and not _free(rows[heap[0] % width], s, n, cycle, lanes):
             skipped.append(heapq.heappop(heap))  # the least loaded almost always has a free lane

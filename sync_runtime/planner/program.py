@@ -17,7 +17,7 @@ from functools import partial
 import numpy as np
 
 from sync_runtime.core.gc_pause import gc_paused
-from sync_runtime.core.hugepages import hugepages_unadvised
+from sync_runtime.core.memory import hugepages_unadvised, keep_large_blocks_on_heap
 from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, RankPlan, Round, compressed
 from sync_runtime.planner.blocks import BLOCK_CACHE_BYTES, BlockCache, Senders, Side
 from sync_runtime.planner.columns import grouped, narrow
@@ -119,6 +119,7 @@ class CompactPrograms:
         """The programs of `ranks`, in that order, each equal to `rank_plan`'s: cut in chunks of
         about `chunk_transfers` transfer rows, each one batch of gathers (per-call overhead is
         paid per chunk, not per rank) and bounded memory."""
+        keep_large_blocks_on_heap()  # each chunk's arrays reuse the last one's memory (core/memory.py)
         per_rank = self._rank_transfers()
         chunk: list[int] = []
         size = 0
@@ -154,7 +155,7 @@ class CompactPrograms:
         used the same rows."""
         table = self.table()
         senders = self._senders()
-        with hugepages_unadvised():  # the chunk's arrays (hugepages.py); not around the yields
+        with hugepages_unadvised():  # the chunk's arrays (core/memory.py); not around the yields
             sends, recvs, ranks, inside = self._sides(chunk, table)
             send_index, send_senders = sends.by_sender(senders, ranks, inside)
             recv_index, recv_lists = recvs.by_list()

@@ -79,8 +79,10 @@ def drive_transfer(
     for key in keys:
         store.delete_key(key)
     refs: dict[Any, int] = {}
+    # Every rank's own program, cut in batches in one pass (not rank by rank: planner/program.py)
+    programs = None if session.plans_sent else plan.rank_plans(range(len(ps)))
     for rank, p in enumerate(ps):
-        rank_plan = plan.digest if session.plans_sent else plan.for_rank(rank)
+        rank_plan = plan.digest if programs is None else next(programs)
         cfg = transfer_config(transport, p, backend, (staging or {}).get(rank))
         refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg, txn)] = rank
     session.syncs += 1  # the engine numbers syncs per group from 1; keeps the coordinator in step
