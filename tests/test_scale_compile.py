@@ -25,7 +25,7 @@ from sync_runtime.core.block_wire import HEAD
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.plan import PackedProgram, PackedRows, PackedSide, RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
-from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync, tables
 from sync_runtime.planner.program import CompactPrograms
 from sync_runtime.planner.tables import HolderIndex
 from tests.test_scale_programs import CASES, reference_cut
@@ -197,6 +197,19 @@ def test_a_receivers_block_travels_compressed_and_inflates_to_the_same_rows() ->
     ):
         with pytest.raises(ValueError, match="compressed rows block"):
             pickle.loads(pickle.dumps(dataclasses.replace(rows, wire=bad)))
+
+
+def test_names_renumbered_by_search_equal_those_by_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    plan = _plan(COMPILE_CASES[2], 2048, 16384, "on")
+    n = len(plan.ranks)
+    by_table = [
+        pickle.dumps(p) for p in _programs(plan).rank_plans(range(n), plan.digest, chunk_transfers=50)
+    ]
+    monkeypatch.setattr(tables, "RENUMBER_TABLE_LIMIT", 0)
+    by_search = [
+        pickle.dumps(p) for p in _programs(plan).rank_plans(range(n), plan.digest, chunk_transfers=50)
+    ]
+    assert by_search == by_table
 
 
 @pytest.mark.parametrize("dense_limit", [1 << 30, 0])

@@ -49,6 +49,7 @@ class CompactPrograms:
         self._by_dst, self._dst_at = grouped(self.dst, n_ranks)
         self.n_ranks = n_ranks
         self.pair_pattern = np.asarray(book.pair_pattern, dtype=np.int64)
+        self._pair_src: np.ndarray | None = None
         self._nbytes, self._count = self._bucket_tables()
         self._row_dtype = np.result_type(self.round, self.src, self.dst, self._nbytes, self._count)
         """Of packed programs' bucket rows (int32 where every bucket of the plan fits)."""
@@ -60,8 +61,10 @@ class CompactPrograms:
 
     @property
     def pair_src(self) -> np.ndarray:
-        """Per pair, its sender (for the blocks of sender programs, blocks.py)."""
-        return np.asarray(self.book.pair_src, dtype=np.int64)
+        """Per pair, its sender (for the blocks of sender programs, blocks.py; made once)."""
+        if self._pair_src is None:
+            self._pair_src = np.asarray(self.book.pair_src, dtype=np.int64)
+        return self._pair_src
 
     @classmethod
     def from_refs(cls, book: PairBook, rounds: Sequence[Sequence[BucketRef]]) -> CompactPrograms:
