@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 from sync_runtime.core.block_wire import HEAD
 from sync_runtime.core.models import build_manifest, load_model_config
-from sync_runtime.core.plan import PackedProgram, PackedRows, PackedSide, RankPlan, SyncPlan
+from sync_runtime.core.packed import PackedProgram, PackedRows, PackedSide
+from sync_runtime.core.plan import RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync, tables
 from sync_runtime.planner.program import CompactPrograms
@@ -134,6 +135,16 @@ def _aliased(program: RankPlan) -> RankPlan:
     return _with_recvs(program, PackedSide(side.buckets, index, side.rows))
 
 
+def _shifted(program: RankPlan) -> RankPlan:
+    """`program` with its first sent bucket starting one row later in its sender's block."""
+    side = _packed(program).sends
+    assert side.runs
+    index = side.index.copy()
+    index[0] += 1 if index[0] + 1 + side.buckets[0, 4] <= len(side.rows.transfers) else -1
+    sends = dataclasses.replace(side, index=index)
+    return RankPlan(program.rank, program.digest, packed=dataclasses.replace(_packed(program), sends=sends))
+
+
 @pytest.mark.parametrize("case", COMPILE_CASES[:3] + COMPILE_CASES[-1:])
 def test_a_perturbed_batched_program_fails_the_comparison(case: tuple[str, str, str, str, str]) -> None:
     plan = _plan(case, 2048, 16384, "off")
@@ -143,6 +154,9 @@ def test_a_perturbed_batched_program_fails_the_comparison(case: tuple[str, str, 
     assert len(_packed(program).recvs.index) > 1
     for bad in (_moved(program), _renamed(program), _aliased(program)):
         assert bad != reference_cut(plan, rank)
+    sender = next(iter(_programs(plan).rank_plans([0], plan.digest, chunk_transfers=3)))
+    assert sender == reference_cut(plan, 0) and _packed(sender).sends.runs  # rows as runs
+    assert _shifted(sender) != reference_cut(plan, 0)
 
 
 @pytest.mark.parametrize("relay", ["off", "on"])
@@ -160,7 +174,8 @@ def test_shared_blocks_equal_fresh_ones(case: tuple[str, str, str, str, str], re
         cold = _programs(plan)  # nothing cached: every block built for this rank
         assert pickle.dumps(program) == pickle.dumps(cold.rank_plan(rank, plan.digest))
         for side in (_packed(program).sends, _packed(program).recvs):
-            assert len(side.rows.transfers) <= len(side.index)  # never more rows than transfers
+            assert len(side.rows.transfers) <= int(side.buckets[:, 4].sum())  # never more rows than transfers
+            assert len(side.index) == (len(side.buckets) if side.runs else int(side.buckets[:, 4].sum()))
             shared += any(side.rows is _packed(p).recvs.rows for p in batched[:rank])
     if relay == "off":
         assert "patterns" in kinds  # per sender: its patterns' rows

@@ -1,4 +1,4 @@
-"""Wire forms of a packed program's arrays (core/plan.py).
+"""Wire forms of a packed program's arrays (core/packed.py).
 
 `flat`/`unflat`: an array as its raw bytes, dtype and shape. numpy's own pickling of an array
 costs ~8 us whatever its size (its reduce goes through Python), and a program holds eight small

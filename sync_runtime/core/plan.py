@@ -15,13 +15,13 @@ A hand-made plan (tests) gives `rounds` directly; its per-rank index is built on
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from sync_runtime.core.block_wire import deflate, flat, inflate, unflat
 from sync_runtime.core.layouts.base import Box
+from sync_runtime.core.packed import BOX_FIELDS, PackedProgram, PackedSide
 from sync_runtime.core.topology import RankCoord
 
 
@@ -65,131 +65,27 @@ class Round:
 
 
 PerRound = tuple[tuple[Bucket, ...], ...]
-NAME_SEP = "\0"
-"""Joins a packed program's names when it is pickled (never part of a tensor name in practice)."""
-BOX_FIELDS = 5
-"""Leading int columns of a packed transfer row: tensor, src_name, dst_name, src ndim, dst ndim."""
 
 
 def _box(flat: list[int]) -> tuple[tuple[int, int], ...]:
     return tuple(zip(flat[::2], flat[1::2], strict=True))
 
 
-@dataclass(frozen=True, slots=True)
-class PackedRows:
-    """Distinct transfer rows and the names they use: one side's block (see `PackedSide`).
-
-    `transfers` rows (int32): tensor, src_name, dst_name (indices into `names`), the two boxes'
-    ndims, then the src box and the dst box, each `width` (lo, hi) pairs, zero-padded. `nbytes`:
-    per row. Blocks are shared: one object serves every rank whose side uses the same rows (the
-    planner caches them), so names are per block, not per program.
-    """
-
-    transfers: np.ndarray
-    nbytes: np.ndarray
-    names: tuple[str, ...]
-    joined: str | None = field(default=None, compare=False, repr=False)
-    """`names` joined with NAME_SEP, where the maker checked that no name holds it (computed
-    once per shared block, not once per pickled program)."""
-    wire: bytes | None = field(default=None, compare=False, repr=False)
-    """The block compressed (`compressed`), for blocks shared by many ranks: compressed once,
-    it is what each of their programs carries. Derived from the fields above: a changed copy
-    (`dataclasses.replace`) must drop it."""
-
-    def __reduce__(self) -> tuple:
-        if self.wire is not None:
-            return (_inflate_rows, (self.wire,))
-        # The names as one string: a tuple of thousands of names was ~70% of pickling a program.
-        joined = self.joined
-        if joined is None:
-            joined = NAME_SEP.join(self.names)
-            if joined.count(NAME_SEP) != max(len(self.names) - 1, 0):
-                return (PackedRows, (self.transfers, self.nbytes, self.names))
-        return (_flat_rows, (flat(self.transfers), flat(self.nbytes), len(self.names), joined))
-
-
-def _flat_rows(transfers: tuple, nbytes: tuple, n_names: int, joined: str) -> PackedRows:
-    return _joined_rows(unflat(*transfers), unflat(*nbytes), n_names, joined)
-
-
-def _joined_rows(transfers: np.ndarray, nbytes: np.ndarray, n_names: int, joined: str) -> PackedRows:
-    names = tuple(joined.split(NAME_SEP)) if n_names else ()
-    return PackedRows(transfers, nbytes, names, joined)
-
-
-def compressed(block: PackedRows) -> PackedRows:
-    """`block` carrying its compressed form (core/block_wire.py). A receiver's block is shared
-    by every replica at its position (256 at 12,288 ranks) and compresses ~10x (names and boxes
-    repeat): compressed once, each of their programs is pickled and sent ~10x smaller. Blocks
-    whose names hold NAME_SEP stay as they are."""
-    joined = block.joined if block.joined is not None else NAME_SEP.join(block.names)
-    if joined.count(NAME_SEP) != max(len(block.names) - 1, 0):
-        return block
-    return replace(
-        block, joined=joined, wire=deflate(block.transfers, block.nbytes, len(block.names), joined)
-    )
-
-
-def _inflate_rows(wire: bytes) -> PackedRows:
-    rows, nbytes, n_names, joined = inflate(wire)
-    block = _joined_rows(rows, nbytes, n_names, joined)
-    if len(block.names) != n_names:
-        raise ValueError(f"compressed rows block: {len(block.names)} names, its header says {n_names}")
-    return replace(block, wire=wire)
-
-
-@dataclass(frozen=True, slots=True)
-class PackedSide:
-    """One direction of a rank's program as arrays (what travels to the rank, see `RankPlan`).
-
-    `buckets` rows: round, src, dst, nbytes, transfer count (int32 where every bucket of the
-    plan fits it, else int64). `index` (int32): per
-    transfer, in bucket order, its row of `rows`. Rows are stored once per distinct row, not
-    once per transfer: a sender sends the same bucket to every replica of a destination position
-    (~20x at 12,288 ranks), and the replicas at one position receive the same needs (in other
-    buckets, from other senders), so they share one `rows` block.
-    """
-
-    buckets: np.ndarray
-    index: np.ndarray
-    rows: PackedRows
-
-    def __reduce__(self) -> tuple:
-        # Arrays as bytes (block_wire.py), positional args: a slots dataclass otherwise pickles
-        # through Python-level state hooks.
-        return (_flat_side, (flat(self.buckets), flat(self.index), self.rows))
-
-    def unpack(self, width: int, n_rounds: int) -> PerRound:
-        out: list[list[Bucket]] = [[] for _ in range(n_rounds)]
-        names, w = self.rows.names, BOX_FIELDS + 2 * width
-        parts = []  # per distinct row: the transfer's fields but its ranks (built once per row)
-        for row, n in zip(self.rows.transfers.tolist(), self.rows.nbytes.tolist(), strict=True):
-            sb, db = _box(row[BOX_FIELDS : BOX_FIELDS + 2 * row[3]]), _box(row[w : w + 2 * row[4]])
-            parts.append((names[row[0]], names[row[1]], sb, names[row[2]], db, n))
-        index = self.index.tolist()
-        at = 0
-        for rnd, src, dst, nbytes, count in self.buckets.tolist():
-            ts = tuple(Transfer(src, dst, *parts[i]) for i in index[at : at + count])
-            at += count
-            out[rnd].append(Bucket(src, dst, ts, nbytes))
-        return tuple(tuple(r) for r in out)
-
-
-def _flat_side(buckets: tuple, index: tuple, rows: PackedRows) -> PackedSide:
-    return PackedSide(unflat(*buckets), unflat(*index), rows)
-
-
-@dataclass(frozen=True, slots=True)
-class PackedProgram:
-    """A rank's program as arrays and names tables: ~10x cheaper to cut and pickle than objects."""
-
-    n_rounds: int
-    width: int
-    sends: PackedSide
-    recvs: PackedSide
-
-    def __reduce__(self) -> tuple:
-        return (PackedProgram, (self.n_rounds, self.width, self.sends, self.recvs))
+def unpack_side(side: PackedSide, width: int, n_rounds: int) -> PerRound:
+    """`side`'s buckets and transfers as objects, per round (built on the rank that runs them)."""
+    out: list[list[Bucket]] = [[] for _ in range(n_rounds)]
+    names, w = side.rows.names, BOX_FIELDS + 2 * width
+    parts = []  # per distinct row: the transfer's fields but its ranks (built once per row)
+    for row, n in zip(side.rows.transfers.tolist(), side.rows.nbytes.tolist(), strict=True):
+        sb, db = _box(row[BOX_FIELDS : BOX_FIELDS + 2 * row[3]]), _box(row[w : w + 2 * row[4]])
+        parts.append((names[row[0]], names[row[1]], sb, names[row[2]], db, n))
+    index = side.transfer_rows()
+    at = 0
+    for rnd, src, dst, nbytes, count in side.buckets.tolist():
+        ts = tuple(Transfer(src, dst, *parts[i]) for i in index[at : at + count])
+        at += count
+        out[rnd].append(Bucket(src, dst, ts, nbytes))
+    return tuple(tuple(r) for r in out)
 
 
 class RankPlan:
@@ -218,8 +114,8 @@ class RankPlan:
     def _unpack(self) -> None:
         p = self._packed
         assert p is not None
-        self._sends = p.sends.unpack(p.width, p.n_rounds)
-        self._recvs = p.recvs.unpack(p.width, p.n_rounds)
+        self._sends = unpack_side(p.sends, p.width, p.n_rounds)
+        self._recvs = unpack_side(p.recvs, p.width, p.n_rounds)
 
     @property
     def sends(self) -> PerRound:

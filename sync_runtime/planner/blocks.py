@@ -1,12 +1,13 @@
 """Rows blocks of packed rank programs: built once, shared by every rank whose side uses them.
 
-A side of a rank's program (core/plan.py PackedSide) is its bucket rows, per transfer an index,
-and a block of distinct transfer rows. Blocks repeat across ranks: a sender's is its patterns'
-rows (it sends each pattern to ~20 replicas at 12,288 ranks: its rows once, not once per
-bucket), a receiver's is its needs list's rows (every replica at a destination position receives
-that list, in other buckets from other senders: one block per position). Relay copies and cells
-whose holders store them differently fall back to one block per distinct bucket. `BlockCache`
-keeps them per plan, bounded in bytes; `Senders` and `Side` compute a chunk of ranks' indices
+A side of a rank's program (core/packed.py PackedSide) is its bucket rows, an index per
+transfer (per bucket where a bucket's rows are consecutive) and a block of distinct rows. Blocks
+repeat across ranks: a sender's is its patterns' rows (it sends each pattern to ~20 replicas at
+12,288 ranks: its rows once, not once per bucket), a receiver's is its needs list's rows (every
+replica at a destination position receives that list, in other buckets from other senders: one
+block per position). Relay copies and cells whose holders store them differently fall back to
+one block per distinct bucket. `BlockCache` keeps them per plan, bounded in bytes; `Senders` and
+`Side` compute a chunk of ranks' indices
 (program.py `CompactPrograms._compile` drives them).
 """
 
@@ -20,7 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
-from sync_runtime.core.plan import PackedRows, PackedSide
+from sync_runtime.core.packed import PackedRows, PackedSide
 from sync_runtime.planner.tables import NeedTable, expand_ranges
 
 BLOCK_CACHE_BYTES = 64 << 20
@@ -164,7 +165,7 @@ class Side:
         gb: np.ndarray,
         lo: np.ndarray,
     ):
-        """`buckets`: the chunk's bucket rows (core/plan.py PackedSide), rank after rank, from
+        """`buckets`: the chunk's bucket rows (core/packed.py PackedSide), rank after rank, from
         `b_at`; their transfers from `t_at`. Per row: its pair, the pair's pattern, whether it is
         a relay copy, the bucket of the pattern (`gb`, global) and that bucket's first entry of
         `table.order` (`lo`)."""
@@ -178,13 +179,14 @@ class Side:
     def by_sender(
         self, senders: Senders, ranks: np.ndarray, inside: np.ndarray
     ) -> tuple[np.ndarray, list[bool]]:
-        """Indices of the chunk's transfers into their senders' pattern blocks (where `good`)."""
+        """Per bucket of the chunk, its first row in its sender's pattern block (where `good`):
+        a bucket's rows are consecutive there (core/packed.py PackedSide `runs`)."""
         whole = (inside & senders.good[ranks]).tolist()
         if not any(whole) or not len(senders.start):  # no good rank of the chunk sends
-            return np.zeros(int(self.t_at[-1]), dtype=np.int32), whole
+            return np.zeros(len(self.buckets), dtype=np.int32), whole
         start = np.take(senders.start, np.take(senders.of_pair, self.pair), mode="clip")
         start += self.lo - np.take(self.table.pattern_at, self.pattern)
-        return expand_ranges(start, self.buckets[:, 4]).astype(np.int32), whole
+        return start.astype(np.int32), whole
 
     def by_list(self) -> tuple[np.ndarray, list[bool]]:
         """Indices of the chunk's transfers into their needs lists, and per rank whether it
@@ -205,18 +207,26 @@ class Side:
         return self._first_list[i]
 
     def packed(
-        self, i: int, index: np.ndarray, key: tuple | None, build: Callable[[], PackedRows] | None
+        self,
+        i: int,
+        index: np.ndarray,
+        key: tuple | None,
+        build: Callable[[], PackedRows] | None,
+        runs: bool = False,
     ) -> PackedSide:
-        """Rank `i` of the chunk: its bucket rows, and its block (`key`, or per bucket)."""
+        """Rank `i` of the chunk: its bucket rows, and its block (`key`, or per bucket).
+        `index`: the chunk's rows, per bucket (`runs`) or per transfer."""
         b0, b1, t0, t1 = self.b_list[i], self.b_list[i + 1], self.t_list[i], self.t_list[i + 1]
         buckets = self.buckets[b0:b1]
         if b0 == b1:  # nothing this way (half of all sides): one empty side for the chunk
             if self._empty is None:
                 build = partial(self.table.rows, np.zeros(0, dtype=np.int64))
-                self._empty = PackedSide(buckets, index[t0:t1], self.programs.block(("empty",), build))
+                empty = np.zeros(0, dtype=np.int32)
+                self._empty = PackedSide(buckets, empty, self.programs.block(("empty",), build))
             return self._empty
         if key is not None and build is not None:
-            return PackedSide(buckets, index[t0:t1], self.programs.block(key, build))
+            part = index[b0:b1] if runs else index[t0:t1]
+            return PackedSide(buckets, part, self.programs.block(key, build), runs)
         # Per bucket: one unit per distinct (pattern bucket, relayed, sender where rows depend on it).
         span = self.programs.n_ranks + 1
         gb, relayed = self.gb[b0:b1], self.relayed[b0:b1]
@@ -235,5 +245,4 @@ class Side:
             return t.rows(need, np.repeat((ub & 1).astype(bool), rows), sender)
 
         block = self.programs.block(("buckets", units.tobytes()), build_units)
-        at = expand_ranges(np.take(starts, inverse.reshape(-1)), buckets[:, 4]).astype(np.int32)
-        return PackedSide(buckets, at, block)
+        return PackedSide(buckets, np.take(starts, inverse.reshape(-1)).astype(np.int32), block, True)

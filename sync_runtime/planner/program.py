@@ -5,7 +5,7 @@ refs become flat arrays with per-rank CSR indices, so `rank_buckets` touches onl
 rows and builds `Transfer` objects for them alone. Packed programs (`rank_plans`) are cut for a
 batch of ranks at once: bucket rows and per-transfer indices gathered from the CSR indices in one
 pass, then per rank a side is its bucket rows, its transfers' indices and a block of distinct
-rows (core/plan.py PackedSide), shared with the ranks that use the same rows (blocks.py).
+rows (core/packed.py PackedSide), shared with the ranks that use the same rows (blocks.py).
 One rank (`rank_plan`) is a batch of one, so both give the same bytes.
 """
 
@@ -18,7 +18,8 @@ import numpy as np
 
 from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.memory import hugepages_unadvised, keep_large_blocks_on_heap
-from sync_runtime.core.plan import Bucket, PackedProgram, PackedRows, RankPlan, Round, compressed
+from sync_runtime.core.packed import PackedProgram, PackedRows, compressed
+from sync_runtime.core.plan import Bucket, RankPlan, Round
 from sync_runtime.planner.blocks import BLOCK_CACHE_BYTES, BlockCache, Senders, Side
 from sync_runtime.planner.columns import grouped, narrow
 from sync_runtime.planner.pairs import BucketRef, PairBook
@@ -173,7 +174,7 @@ class CompactPrograms:
                 r, key = int(ranks[i]), keyed[i]
                 block = prebuilt.get(key)
                 build = partial(senders.build, table, r) if block is None else partial(_given, block)
-                s = sends.packed(i, send_index, key, build)
+                s = sends.packed(i, send_index, key, build, runs=True)
             else:
                 s = sends.packed(i, send_index, None, None)
             if recv_lists[i]:
@@ -219,7 +220,7 @@ class CompactPrograms:
 
     def _list_rows(self, lst: int) -> PackedRows:
         """Every need of needs list `lst`, in list order, received directly (one block serves
-        every replica at that destination position: compressed once, core/plan.py)."""
+        every replica at that destination position: compressed once, core/packed.py)."""
         t = self.table()
         base = int(t.list_base[lst])
         return compressed(t.rows(np.arange(base, base + int(t.list_len[lst]), dtype=np.int64)))

@@ -9,7 +9,7 @@ million holder entries): the row that turns a need's canonical box into the hold
 refine.to_local), in the same packed columns, so a transfer row is one need row plus one piece
 row. Per pattern bucket: the range of its needs in one flat order (`order`, with each need's
 index within its needs list in `order_local`). Boxes are `width` zero-padded (lo, hi) pairs
-(core/plan.py PackedRows). `rows` builds a block of transfer rows with its own names table;
+(core/packed.py PackedRows). `rows` builds a block of transfer rows with its own names table;
 blocks are shared by ranks (program.py), so names are renumbered once per block, not per rank.
 """
 
@@ -23,7 +23,7 @@ from operator import is_, itemgetter
 import numpy as np
 
 from sync_runtime.core.layouts.base import Box, Piece
-from sync_runtime.core.plan import BOX_FIELDS, NAME_SEP, PackedRows
+from sync_runtime.core.packed import BOX_FIELDS, NAME_SEP, PackedRows
 from sync_runtime.planner.columns import index_dtype
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.refine import SourceCell
