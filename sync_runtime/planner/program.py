@@ -3,10 +3,10 @@
 A scheduled bucket is a `BucketRef` (pair, bucket index within its pattern); after scheduling the
 refs become flat arrays with per-rank CSR indices, so `rank_buckets` touches only that rank's
 rows and builds `Transfer` objects for them alone. Packed programs (`rank_plans`) are cut for a
-batch of ranks at once: bucket rows and per-transfer indices gathered from the CSR indices in one
-pass, then per rank a side is its bucket rows, its transfers' indices and a block of distinct
-rows (core/packed.py PackedSide), shared with the ranks that use the same rows (blocks.py).
-One rank (`rank_plan`) is a batch of one, so both give the same bytes.
+batch of ranks at once: bucket rows and row indices gathered from the CSR indices in one pass,
+then per rank a side is its bucket rows, the rows of its transfers (per bucket for a sender) and
+a block of distinct rows (core/packed.py PackedSide), shared with the ranks that use the same
+rows (blocks.py). One rank (`rank_plan`) is a batch of one, so both give the same bytes.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from sync_runtime.planner.tables import NeedTable, expand_ranges
 
 PerRound = tuple[tuple[Bucket, ...], ...]
 CHUNK_TRANSFERS = 1 << 17
-"""Transfer rows per batch of `CompactPrograms.rank_plans` (~100 B of arrays each while cut;
-batches this small stay under malloc's mmap threshold, so their memory is reused, not refaulted)."""
+"""Transfer rows per batch of `CompactPrograms.rank_plans` (~100 B of arrays each while cut:
+a batch's arrays stay a few MB, and each batch reuses the memory of the one before)."""
 
 
 class CompactPrograms:
