@@ -1,6 +1,7 @@
 """The planner's fast paths for large plans against plain references (issue 13, "Scale").
 
-- source cells built once per shared shard equal cells built rank by rank;
+- source cells built once per shared shard equal cells built rank by rank, and a cell that names
+  its one piece is read from that piece by every holder;
 - the cost model in round slices equals a per-bucket reference, in any bucket order;
 - light holder sets dealt from a heap choose what per-occupation argmin choices would;
 - the lane schedule, forced onto small plans, keeps the planner's invariants, and its quality
@@ -59,6 +60,9 @@ def test_shared_cells_equal_cells_built_rank_by_rank(seed: int) -> None:
         assert [c.box for c in got[name]] == [c.box for c in cells]
         assert [c.holders for c in got[name]] == [c.holders for c in cells]
         assert [c.ranks for c in got[name]] == [c.ranks for c in cells]
+    # a cell that names its one piece: every holder reads that very object
+    known = [c for cells in got.values() for c in cells if c.piece is not None]
+    assert all(piece is c.piece for c in known for _, piece in c.holders)
 
 
 def _reference_round_seconds(b: BucketArrays, c: LinkCost) -> list[float]:

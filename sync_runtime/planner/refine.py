@@ -66,6 +66,9 @@ class SourceCell:
     """(global source rank, the piece that stores this region on it), in rank order."""
     ranks: tuple[int, ...] = field(default=())
     """The holders' ranks (filled by `build_cells`; read in the planner's hot loops)."""
+    piece: Piece | None = None
+    """The one piece object every holder reads, where `build_cells` knows it (DP copies share
+    one cached shard); None: see `holders`."""
 
 
 def _overlap_free(boxes: Sequence[Box]) -> bool:
@@ -129,12 +132,14 @@ def build_shared_cells(
             cell = cells.get(piece.canon_box)
             if cell is None:
                 # One group's cell: its ranks are the group's tuple, shared (most cells: experts).
-                cells[piece.canon_box] = SourceCell(piece.canon_box, holders, ranks)
+                cells[piece.canon_box] = SourceCell(piece.canon_box, holders, ranks, piece)
                 continue
             if cell.holders[-1][0] > ranks[0]:
                 out_of_order[id(cell)] = cell
             cell.holders.extend(holders)
             cell.ranks = ()  # several groups: from the merged holders, below
+            if cell.piece is not piece:  # groups whose shards share the piece keep it
+                cell.piece = None
     for cell in out_of_order.values():
         cell.holders.sort(key=itemgetter(0))
     out = {name: refine(list(cells.values())) for name, cells in by_tensor.items()}

@@ -164,10 +164,13 @@ class NeedTable:
         first = len(self._ch)
         sid = self._set_ids.setdefault(cell.ranks, len(self._set_ids))
         known = self._piece_ids
-        shared = cell.holders[0][1]
-        # DP copies share one piece object (one cached shard): one identity test per holder,
-        # instead of a lookup and a row each (~1 M holder entries at 12,288 ranks), in C.
-        if all(map(partial(is_, shared), map(itemgetter(1), cell.holders))):
+        # DP copies share one piece object (one cached shard): one row for all holders instead
+        # of a lookup and a row each (~1 M holder entries at 12,288 ranks). Cells that know
+        # their piece say so (refine.SourceCell); others are tested holder by holder, in C.
+        shared = cell.piece
+        if shared is None and all(map(partial(is_, cell.holders[0][1]), map(itemgetter(1), cell.holders))):
+            shared = cell.holders[0][1]
+        if shared is not None:
             row = known.get(id(shared))
             if row is None:
                 row = known[id(shared)] = self._piece(shared)
