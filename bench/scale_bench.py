@@ -3,10 +3,10 @@
 Each case runs in a fresh process (`--child NAME`), so its peak memory (ru_maxrss) is its own.
 Figures per case: CPU seconds of planning and of all per-rank programs (cut in batches by
 `SyncPlan.rank_plans`, each pickled on its own), peak memory, the largest rank program's pickled
-bytes against a pickle of just its transfers (and the largest such ratio over a sample of ranks of
-both sides: every 97th, the largest sender and the largest receiver), wire bytes against the
-lower bound, send max/mean and predicted against floor. CPU time, not wall time: the machine is
-shared. Prints only; exits 0 either way (a benchmark, not a test).
+bytes against a pickle of just its transfers (and the largest such ratio over every rank, or for
+cases over 1,024 ranks a sample of both sides: every 97th, the largest sender and receiver), wire
+bytes against the lower bound, send max/mean and predicted against floor. CPU time, not wall
+time: the machine is shared. Prints only; exits 0 either way (a benchmark, not a test).
 Usage: python bench/scale_bench.py [--only NAME] [--ranks N]  (--ranks: programs of N ranks only)
 """
 
@@ -40,6 +40,11 @@ CASES = {
 """name: (model, source, destination, target CPU seconds, target peak GiB or None)."""
 
 
+EVERY_RANK_UP_TO = 1024
+"""Cases up to this many ranks check every rank's program against its transfers, larger ones a
+sample (unpacking and pickling one rank's transfers takes ~50 ms)."""
+
+
 def _transfers_bytes(rank_plan: object) -> int:
     """Pickled size of the rank's transfers alone: the floor a program's size is compared with."""
     ts = [t for side in (rank_plan.sends, rank_plan.recvs) for r in side for b in r for t in b.transfers]  # type: ignore[attr-defined]
@@ -67,10 +72,11 @@ def _programs(plan: object, n_ranks: int) -> dict:
     tracemalloc.stop()
     del received
     # Rows blocks are per side and shared, so a sender's names table could outgrow its needs:
-    # check the ratio on a sample covering both sides, the largest sender and receiver included.
+    # check the ratio on every rank, or on a sample covering both sides, the largest sender and
+    # receiver included.
     n_src = sum(1 for r in plan.ranks if r.role.name == "SOURCE")  # type: ignore[attr-defined]
     n_src = min(n_src, n_ranks)
-    sample = set(range(0, n_ranks, 97))
+    sample = set(range(0, n_ranks, 1 if n_ranks <= EVERY_RANK_UP_TO else 97))
     for lo, hi in ((0, n_src), (n_src, n_ranks)):
         if hi > lo:
             sample.add(max(range(lo, hi), key=sizes.__getitem__))
@@ -138,8 +144,10 @@ def report(name: str, r: dict) -> None:
         f"unpacked into buckets and transfers {r['participant_unpacked_peak_bytes'] / 2**20:.1f} MiB "
         "(tracemalloc, on the participant)"
     )
+    n = r["sampled_ranks"]
+    which = f"all {n}" if n == r["ranks"] else f"{n} sampled"
     print(
-        f"  program / its transfers, largest over {r['sampled_ranks']} sampled ranks (both sides): "
+        f"  program / its transfers, largest over {which} ranks (both sides): "
         f"{r['sampled_max_ratio']:.2f}x (rank {r['sampled_max_ratio_rank']})"
     )
     print(f"  all programs pickled: {r['programs_pickled_total'] / 2**20:.1f} MiB")
