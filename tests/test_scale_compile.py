@@ -27,6 +27,7 @@ from sync_runtime.core.packed import PackedProgram, PackedRows, PackedSide
 from sync_runtime.core.plan import RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync, tables
+from sync_runtime.planner.blocks import BlockCache
 from sync_runtime.planner.program import CompactPrograms
 from sync_runtime.planner.tables import HolderIndex
 from tests.test_scale_programs import CASES, reference_cut
@@ -212,6 +213,39 @@ def test_a_receivers_block_travels_compressed_and_inflates_to_the_same_rows() ->
     ):
         with pytest.raises(ValueError, match="compressed rows block"):
             pickle.loads(pickle.dumps(dataclasses.replace(rows, wire=bad)))
+
+
+def test_programs_equal_with_a_cache_that_keeps_one_block() -> None:
+    """Every insertion drops the blocks before it, also those a batch found cached a moment
+    earlier (rebuilt alone): the programs are the same bytes."""
+    plan = _plan(COMPILE_CASES[0], 2048, 16384, "off")
+    n = len(plan.ranks)
+    want = [pickle.dumps(p) for p in _programs(plan).rank_plans(range(n), plan.digest, chunk_transfers=50)]
+    tight = _programs(plan)
+    tight._blocks = BlockCache(1)
+    ranks = [*range(n), *range(n)]  # twice: the second pass finds what the first cached
+    got = [pickle.dumps(p) for p in tight.rank_plans(ranks, plan.digest, chunk_transfers=50)]
+    assert got == want + want
+    assert len(tight._blocks._blocks) == 1
+
+
+def test_a_block_dropped_while_a_batch_is_fetched_is_rebuilt_alone() -> None:
+    def block(value: int) -> PackedRows:
+        return PackedRows(np.full((1, 3), value, dtype=np.int32), np.array([value]), ())
+
+    cache = BlockCache(1)  # keeps only the block made last
+    cache.get(("b",), lambda: block(2))
+    batches: list[list[int]] = []
+
+    def build_many(picks: list[int]) -> list[PackedRows]:
+        batches.append(picks)
+        return [block(10 + p) for p in picks]
+
+    got = cache.get_many([("c",), ("b",)], build_many)
+    assert batches == [[0], [1]]  # c in the batch; b, cached when looked at, dropped by c
+    assert [int(b.nbytes[0]) for b in got] == [10, 11]
+    assert cache.get_many([("b",)], build_many)[0] is got[1]  # cached now: no build
+    assert batches == [[0], [1]]
 
 
 def test_names_renumbered_by_search_equal_those_by_table(monkeypatch: pytest.MonkeyPatch) -> None:

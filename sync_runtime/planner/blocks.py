@@ -7,8 +7,7 @@ repeat across ranks: a sender's is its patterns' rows (it sends each pattern to 
 replica at a destination position receives that list, in other buckets from other senders: one
 block per position). Relay copies and cells whose holders store them differently fall back to
 one block per distinct bucket. `BlockCache` keeps them per plan, bounded in bytes; `Senders` and
-`Side` compute a chunk of ranks' indices
-(program.py `CompactPrograms._compile` drives them).
+`Side` compute a chunk of ranks' indices (program.py `CompactPrograms._compile` drives them).
 """
 
 from __future__ import annotations
@@ -57,16 +56,24 @@ class BlockCache:
     def __reduce__(self) -> tuple:
         return (BlockCache, (self.limit,))  # a cache travels empty
 
-    def missing(self, keys: list[tuple]) -> list[int]:
-        """Positions of the keys of `keys` not cached (each key once, first position)."""
+    def get_many(
+        self, keys: list[tuple], build_many: Callable[[list[int]], list[PackedRows]]
+    ) -> list[PackedRows]:
+        """The blocks of `keys`; those not cached built in one call, `build_many(positions)` (one
+        position per missing key; a block alone costs ~0.2 ms of numpy calls, and 8,128
+        senders at 12,288 ranks each use theirs once)."""
         with self._lock:
             seen: set[tuple] = set()
-            out = []
+            todo = []
             for i, key in enumerate(keys):
                 if key not in self._blocks and key not in seen:
                     seen.add(key)
-                    out.append(i)
-            return out
+                    todo.append(i)
+        fresh = dict(zip([keys[i] for i in todo], build_many(todo) if todo else [], strict=True))
+        return [
+            self.get(key, partial(_given, fresh[key]) if key in fresh else partial(_one, build_many, i))
+            for i, key in enumerate(keys)
+        ]
 
     def get(self, key: tuple, build: Callable[[], PackedRows]) -> PackedRows:
         with self._lock:
@@ -84,6 +91,15 @@ class BlockCache:
             while self.size > self.limit and len(self._blocks) > 1:  # never the block just made
                 self.size -= _block_bytes(self._blocks.popitem(last=False)[1])
         return block
+
+
+def _given(block: PackedRows) -> PackedRows:
+    return block
+
+
+def _one(build_many: Callable[[list[int]], list[PackedRows]], position: int) -> PackedRows:
+    """A cached block dropped since `get_many` looked: built again, alone."""
+    return build_many([position])[0]
 
 
 def _block_bytes(block: PackedRows) -> int:
@@ -132,12 +148,8 @@ class Senders:
     def key(self, rank: int) -> tuple:
         return ("patterns", self.units[self.at[rank] : self.at[rank + 1]].tobytes())
 
-    def build(self, table: NeedTable, rank: int) -> PackedRows:
-        return self.build_many(table, [rank])[0]
-
     def build_many(self, table: NeedTable, ranks: list[int]) -> list[PackedRows]:
-        """The blocks of `ranks` in one batch (one block alone costs ~0.2 ms of numpy calls:
-        8,128 senders at 12,288 ranks, each block used once)."""
+        """The blocks of `ranks` in one batch of gathers."""
         lo = self.at[np.asarray(ranks, dtype=np.int64)]
         n_units = self.at[np.asarray(ranks, dtype=np.int64) + 1] - lo
         pick = expand_ranges(lo, n_units)
@@ -206,16 +218,10 @@ class Side:
     def list_of(self, i: int) -> int:
         return self._first_list[i]
 
-    def packed(
-        self,
-        i: int,
-        index: np.ndarray,
-        key: tuple | None,
-        build: Callable[[], PackedRows] | None,
-        runs: bool = False,
-    ) -> PackedSide:
-        """Rank `i` of the chunk: its bucket rows, and its block (`key`, or per bucket).
-        `index`: the chunk's rows, per bucket (`runs`) or per transfer."""
+    def packed(self, i: int, index: np.ndarray, block: PackedRows | None, runs: bool = False) -> PackedSide:
+        """Rank `i` of the chunk: its bucket rows and `block`, its rows block, with `index`, the
+        chunk's rows in it, per bucket (`runs`) or per transfer; without `block`, a block of its
+        own buckets."""
         b0, b1, t0, t1 = self.b_list[i], self.b_list[i + 1], self.t_list[i], self.t_list[i + 1]
         buckets = self.buckets[b0:b1]
         if b0 == b1:  # nothing this way (half of all sides): one empty side for the chunk
@@ -224,9 +230,8 @@ class Side:
                 empty = np.zeros(0, dtype=np.int32)
                 self._empty = PackedSide(buckets, empty, self.programs.block(("empty",), build))
             return self._empty
-        if key is not None and build is not None:
-            part = index[b0:b1] if runs else index[t0:t1]
-            return PackedSide(buckets, part, self.programs.block(key, build), runs)
+        if block is not None:
+            return PackedSide(buckets, index[b0:b1] if runs else index[t0:t1], block, runs)
         # Per bucket: one unit per distinct (pattern bucket, relayed, sender where rows depend on it).
         span = self.programs.n_ranks + 1
         gb, relayed = self.gb[b0:b1], self.relayed[b0:b1]

@@ -163,25 +163,20 @@ class CompactPrograms:
             sends, recvs, ranks, inside = self._sides(chunk, table)
             send_index, send_senders = sends.by_sender(senders, ranks, inside)
             recv_index, recv_lists = recvs.by_list()
-            # The chunk's sender blocks not cached yet, built in one batch (one by one, ~0.2 ms each)
-            keyed = {i: senders.key(int(ranks[i])) for i, whole in enumerate(send_senders) if whole}
-            positions = list(keyed)
-            todo = [positions[j] for j in self._blocks.missing(list(keyed.values()))]
-            built = senders.build_many(table, [int(ranks[i]) for i in todo]) if todo else []
-        prebuilt = {keyed[i]: block for i, block in zip(todo, built, strict=True)}
+            # Whole senders' blocks: from the cache, those not in it built in one batch
+            whole = [i for i, ok in enumerate(send_senders) if ok]
+            blocks = self._blocks.get_many(
+                [senders.key(int(ranks[i])) for i in whole],
+                lambda picks: senders.build_many(table, [int(ranks[whole[j]]) for j in picks]),
+            )
+        sent = dict(zip(whole, blocks, strict=True))
         for i, rank in enumerate(chunk):
-            if send_senders[i]:
-                r, key = int(ranks[i]), keyed[i]
-                block = prebuilt.get(key)
-                build = partial(senders.build, table, r) if block is None else partial(_given, block)
-                s = sends.packed(i, send_index, key, build, runs=True)
-            else:
-                s = sends.packed(i, send_index, None, None)
+            s = sends.packed(i, send_index, sent.get(i), runs=True)
+            listed = None  # a receiver of its whole needs list: the block of that list
             if recv_lists[i]:
                 lst = recvs.list_of(i)
-                r_side = recvs.packed(i, recv_index, ("list", lst), partial(self._list_rows, lst))
-            else:
-                r_side = recvs.packed(i, recv_index, None, None)
+                listed = self.block(("list", lst), partial(self._list_rows, lst))
+            r_side = recvs.packed(i, recv_index, listed)
             yield RankPlan(rank, digest, packed=PackedProgram(self.n_rounds, table.width, s, r_side))
 
     def _sides(self, chunk: list[int], table: NeedTable) -> tuple[Side, Side, np.ndarray, np.ndarray]:
@@ -240,7 +235,3 @@ class CompactPrograms:
 
     def all_rounds(self) -> tuple[Round, ...]:
         return tuple(Round(r) for r in self._per_round(np.arange(len(self.round))))
-
-
-def _given(block: PackedRows) -> PackedRows:
-    return block
