@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from sync_runtime.core.block_wire import HEAD
 from sync_runtime.core.models import build_manifest, load_model_config
-from sync_runtime.core.packed import PackedProgram, PackedRows, PackedSide
+from sync_runtime.core.packed import PackedProgram, PackedRows, PackedSide, compressed
 from sync_runtime.core.plan import RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync, tables
@@ -227,6 +227,20 @@ def test_programs_equal_with_a_cache_that_keeps_one_block() -> None:
     got = [pickle.dumps(p) for p in tight.rank_plans(ranks, plan.digest, chunk_transfers=50)]
     assert got == want + want
     assert len(tight._blocks._blocks) == 1
+
+
+def test_a_name_holding_the_separator_travels_as_a_tuple() -> None:
+    rows = np.arange(6, dtype=np.int32).reshape(2, 3)
+    names = ("a\0b", "c")
+    block = PackedRows(rows, np.array([4, 5]), names)
+    assert compressed(block) is block  # not joined, so not compressed either
+    back = pickle.loads(pickle.dumps(block))
+    assert back.names == names and np.array_equal(back.transfers, rows)
+    plain = PackedRows(rows, np.array([4, 5]), ("ab", "c"))
+    assert compressed(plain).wire is not None and pickle.loads(pickle.dumps(compressed(plain))).names == (
+        "ab",
+        "c",
+    )
 
 
 def test_a_block_dropped_while_a_batch_is_fetched_is_rebuilt_alone() -> None:

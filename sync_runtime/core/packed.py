@@ -45,12 +45,18 @@ class PackedRows:
         if self.wire is not None:
             return (_inflate_rows, (self.wire,))
         # The names as one string: a tuple of thousands of names was ~70% of pickling a program.
-        joined = self.joined
+        joined = _joined(self)
         if joined is None:
-            joined = NAME_SEP.join(self.names)
-            if joined.count(NAME_SEP) != max(len(self.names) - 1, 0):
-                return (PackedRows, (self.transfers, self.nbytes, self.names))
+            return (PackedRows, (self.transfers, self.nbytes, self.names))
         return (_flat_rows, (flat(self.transfers), flat(self.nbytes), len(self.names), joined))
+
+
+def _joined(block: PackedRows) -> str | None:
+    """`block.names` joined with NAME_SEP; None where a name holds NAME_SEP."""
+    if block.joined is not None:
+        return block.joined
+    joined = NAME_SEP.join(block.names)
+    return joined if joined.count(NAME_SEP) == max(len(block.names) - 1, 0) else None
 
 
 def _flat_rows(transfers: tuple, nbytes: tuple, n_names: int, joined: str) -> PackedRows:
@@ -67,8 +73,8 @@ def compressed(block: PackedRows) -> PackedRows:
     by every replica at its position (256 at 12,288 ranks) and compresses ~10x (names and boxes
     repeat): compressed once, each of their programs is pickled and sent ~10x smaller. Blocks
     whose names hold NAME_SEP stay as they are."""
-    joined = block.joined if block.joined is not None else NAME_SEP.join(block.names)
-    if joined.count(NAME_SEP) != max(len(block.names) - 1, 0):
+    joined = _joined(block)
+    if joined is None:
         return block
     return replace(
         block, joined=joined, wire=deflate(block.transfers, block.nbytes, len(block.names), joined)
