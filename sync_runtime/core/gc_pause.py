@@ -5,10 +5,11 @@ needs, tuples, ints); the collector would rescan the growing heap again and agai
 ~40% of plan time on Kimi-K2, twice the time of a Kimi-K2 shard build). Nothing there forms
 cycles that need it, so it is paused and the caller's setting restored.
 
-What the pass leaves alive is moved to the oldest generation on the way out (`gc.freeze` then
-`gc.unfreeze`: a list splice, nothing scanned). Left in the youngest, all of it would be scanned
-by the first collection after the pause, and again as it ages: 0.42 s right after planning
-12,288 ranks.
+On the way out every object the collector tracks (mostly what the pass made) is moved to the
+oldest generation (`gc.freeze` then `gc.unfreeze`: list splices, nothing scanned). Left in the
+youngest, all of it would be scanned by the first collection after the pause, and again as it
+ages: 0.42 s right after planning 12,288 ranks. The cost: garbage cycles made before the pause
+wait for a full collection instead of a young one.
 """
 
 from __future__ import annotations
