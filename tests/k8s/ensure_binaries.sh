@@ -35,6 +35,10 @@ have_all() {
     for b in "${BINARIES[@]}"; do [[ -x "$BIN/$b" ]] || return 1; done
 }
 
+mkdir -p "$CACHE_ROOT"
+exec 8>"$CACHE_ROOT/k8s.lock"
+flock 8   # concurrent callers (parallel makes, several clones) wait for one build instead of racing it
+
 if have_all; then
     echo "k8s binaries: cache hit ($(pretty "$DEST"))"
     echo "$BIN"
