@@ -1,0 +1,220 @@
+"""Lossless delta encoding of one transfer's bytes against the bytes the receiver already holds.
+
+Weights are compared as integer bit patterns of their element width (uint16 for bf16/fp16,
+uint32 for fp32, uint8 for one-byte dtypes), never as floats: a sign flip, -0.0 vs +0.0 and two
+NaNs with different payloads are changes like any other, and decoding writes the new bit
+patterns unchanged, so decode(encode(base, new), base) == new byte for byte.
+
+Message layout (little-endian), self-describing so the receiver needs only an upper bound of
+its size (`max_message_bytes`) to post its receive:
+- a 40-byte header: magic, kind (dense or delta), position codec, element size, then the
+  element count, the changed count, the position bytes and the message's total length;
+- dense: the new bytes, whole (what a delta falls back to when it would not be smaller);
+- delta: the changed positions (codec below), padded to the element size, then the new values
+  of the changed elements in position order.
+Position codecs, the smallest one wins: gaps between consecutive positions as LEB128 varints
+(few changes), a bitmap of one bit per element (many changes), or either one through zlib when
+that is smaller still (clustered changes compress well).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = 0x444C5441  # "DLTA"
+HEADER = struct.Struct("<IBBBxQQQ")  # magic, kind, codec, itemsize, pad, elements, changed, pos_nbytes
+HEADER_BYTES = HEADER.size + 8  # 40: HEADER, then the total length
+DENSE, DELTA = 0, 1
+VARINT, BITMAP, ZLIB_VARINT, ZLIB_BITMAP = 0, 1, 2, 3
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+class DeltaFormatError(ValueError):
+    """A message that is not a well-formed delta for the given base (corrupted or mismatched)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """One encoded transfer: the message to send and what it says about the change."""
+
+    message: np.ndarray
+    """uint8, the whole wire message (header included)."""
+    kind: int
+    elements: int
+    changed: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.message.size)
+
+
+def max_message_bytes(nbytes: int) -> int:
+    """The largest message `encode` produces for `nbytes` of new data (a dense one)."""
+    return nbytes + HEADER_BYTES
+
+
+def _as_uint(data: np.ndarray, itemsize: int) -> np.ndarray:
+    if itemsize not in _UINT:
+        raise ValueError(f"element size {itemsize}: must be 1, 2, 4 or 8")
+    if data.dtype != np.uint8 or data.ndim != 1 or data.size % itemsize:
+        raise ValueError(
+            f"expected flat uint8 bytes, a multiple of {itemsize}; got {data.dtype} {data.shape}"
+        )
+    return data.view(_UINT[itemsize])
+
+
+def encode_varints(values: np.ndarray) -> np.ndarray:
+    """Unsigned integers as LEB128 varints (7 bits a byte, high bit set on all but the last)."""
+    v = values.astype(np.uint64, copy=False)
+    if v.size == 0:
+        return np.empty(0, dtype=np.uint8)
+    lengths = np.ones(v.size, dtype=np.int64)
+    for k in range(1, 10):  # integer thresholds 2^7k: exact where a float log2 is not
+        lengths += v >= np.uint64(1 << (7 * k))
+    ends = np.cumsum(lengths)
+    out = np.empty(int(ends[-1]), dtype=np.uint8)
+    starts = ends - lengths
+    for k in range(int(lengths.max())):
+        sel = lengths > k
+        byte = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        more = (lengths[sel] > k + 1).astype(np.uint64) << np.uint64(7)
+        out[starts[sel] + k] = (byte | more).astype(np.uint8)
+    return out
+
+
+def decode_varints(data: np.ndarray, count: int) -> np.ndarray:
+    """The `count` unsigned integers LEB128-encoded in `data` (uint8), exactly; raises if malformed."""
+    if count == 0:
+        if data.size:
+            raise DeltaFormatError("varint stream holds bytes but no values")
+        return np.empty(0, dtype=np.uint64)
+    last = (data & 0x80) == 0
+    ends = np.flatnonzero(last)
+    if ends.size != count or ends[-1] != data.size - 1:
+        raise DeltaFormatError(f"varint stream holds {ends.size} values, expected {count}")
+    starts = np.concatenate(([0], ends[:-1] + 1))
+    lengths = ends - starts + 1
+    if lengths.max() > 10:
+        raise DeltaFormatError("varint longer than 10 bytes")
+    out = np.zeros(count, dtype=np.uint64)
+    for k in range(int(lengths.max())):
+        sel = lengths > k
+        out[sel] |= (data[starts[sel] + k] & np.uint8(0x7F)).astype(np.uint64) << np.uint64(7 * k)
+    return out
+
+
+def _position_candidates(positions: np.ndarray, elements: int) -> list[tuple[int, bytes]]:
+    gaps = np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1)  # first gap: from -1
+    varint = encode_varints(gaps).tobytes()
+    mask = np.zeros(elements, dtype=bool)
+    mask[positions] = True
+    bitmap = np.packbits(mask, bitorder="little").tobytes()
+    plain = [(VARINT, varint), (BITMAP, bitmap)]
+    best = min(plain, key=lambda c: len(c[1]))
+    # zlib only pays for sizable, structured position streams; level 1 keeps it cheap.
+    if len(best[1]) >= 4096:
+        packed = zlib.compress(best[1], 1)
+        if len(packed) < len(best[1]):
+            return [(ZLIB_VARINT if best[0] == VARINT else ZLIB_BITMAP, packed)]
+    return [best]
+
+
+def encode(base: np.ndarray, new: np.ndarray, itemsize: int) -> Encoded:
+    """Encode `new` against `base` (flat uint8 arrays of equal size): a delta, or dense when the
+    delta would not be smaller than the dense message."""
+    if base.size != new.size:
+        raise ValueError(f"base holds {base.size} bytes, new {new.size}")
+    b, n = _as_uint(base, itemsize), _as_uint(new, itemsize)
+    positions = np.flatnonzero(b != n)
+    elements, changed = n.size, positions.size
+    if changed and changed * itemsize < new.size:
+        ((codec, pos),) = _position_candidates(positions, elements)
+        pad = -len(pos) % itemsize
+        total = HEADER_BYTES + len(pos) + pad + changed * itemsize
+        if total < max_message_bytes(new.size):
+            msg = np.empty(total, dtype=np.uint8)
+            _header(msg, DELTA, codec, itemsize, elements, changed, len(pos))
+            msg[HEADER_BYTES : HEADER_BYTES + len(pos)] = np.frombuffer(pos, dtype=np.uint8)
+            msg[HEADER_BYTES + len(pos) : HEADER_BYTES + len(pos) + pad] = 0
+            msg[HEADER_BYTES + len(pos) + pad :].view(_UINT[itemsize])[:] = n[positions]
+            return Encoded(msg, DELTA, elements, changed)
+    if changed == 0:  # nothing changed: a delta of no positions, a header alone
+        msg = np.empty(HEADER_BYTES, dtype=np.uint8)
+        _header(msg, DELTA, VARINT, itemsize, elements, 0, 0)
+        return Encoded(msg, DELTA, elements, 0)
+    msg = np.empty(max_message_bytes(new.size), dtype=np.uint8)
+    _header(msg, DENSE, VARINT, itemsize, elements, changed, 0)
+    msg[HEADER_BYTES:] = new
+    return Encoded(msg, DENSE, elements, changed)
+
+
+def _header(
+    msg: np.ndarray, kind: int, codec: int, itemsize: int, elements: int, changed: int, pos: int
+) -> None:
+    HEADER.pack_into(msg.data, 0, MAGIC, kind, codec, itemsize, elements, changed, pos)  # type: ignore[arg-type]
+    struct.pack_into("<Q", msg.data, HEADER.size, msg.size)  # type: ignore[arg-type]
+
+
+def message_length(message: np.ndarray) -> int:
+    """The length the header declares (a receive buffer may be larger than the message)."""
+    if message.size < HEADER_BYTES:
+        raise DeltaFormatError(f"message of {message.size} bytes is shorter than its header")
+    magic = struct.unpack_from("<I", message.data, 0)[0]  # type: ignore[arg-type]
+    if magic != MAGIC:
+        raise DeltaFormatError(f"bad delta magic {magic:#x}")
+    (length,) = struct.unpack_from("<Q", message.data, HEADER.size)  # type: ignore[arg-type]
+    if not HEADER_BYTES <= length <= message.size:
+        raise DeltaFormatError(f"declared length {length} outside [{HEADER_BYTES}, {message.size}]")
+    return int(length)
+
+
+def decode(message: np.ndarray, base: np.ndarray, out: np.ndarray) -> int:
+    """Write the new bytes into `out` (flat uint8, base's size; may be `base` itself); the number
+    of changed elements. Raises DeltaFormatError for a message that does not fit `base`."""
+    length = message_length(message)
+    _magic, kind, codec, itemsize, elements, changed, pos_nbytes = HEADER.unpack_from(message.data, 0)  # type: ignore[arg-type]
+    if itemsize not in _UINT or elements * itemsize != base.size or out.size != base.size:
+        raise DeltaFormatError(f"message for {elements} x {itemsize} bytes, base holds {base.size}")
+    body = message[HEADER_BYTES:length]
+    if kind == DENSE:
+        if body.size != base.size:
+            raise DeltaFormatError(f"dense message of {body.size} bytes for {base.size}")
+        out[:] = body
+        return int(changed)
+    if kind != DELTA or changed > elements:
+        raise DeltaFormatError(f"bad delta header (kind {kind}, {changed} of {elements} changed)")
+    pad = -pos_nbytes % itemsize
+    if body.size != pos_nbytes + pad + changed * itemsize:
+        raise DeltaFormatError(f"delta body of {body.size} bytes does not match its header")
+    positions = _positions(body[:pos_nbytes].tobytes(), codec, changed, elements)
+    if out is not base:
+        out[:] = base
+    values = body[pos_nbytes + pad :].view(_UINT[itemsize])
+    out.view(_UINT[itemsize])[positions] = values
+    return int(changed)
+
+
+def _positions(raw: bytes, codec: int, changed: int, elements: int) -> np.ndarray:
+    try:
+        if codec in (ZLIB_VARINT, ZLIB_BITMAP):
+            raw = zlib.decompress(raw)
+            codec -= 2
+    except zlib.error as e:
+        raise DeltaFormatError(f"delta positions do not decompress: {e}") from e
+    data = np.frombuffer(raw, dtype=np.uint8)
+    if codec == VARINT:
+        gaps = decode_varints(data, changed)
+        positions = (np.cumsum(gaps + np.uint64(1)) - np.uint64(1)).astype(np.int64)
+    elif codec == BITMAP:
+        if data.size != (elements + 7) // 8:
+            raise DeltaFormatError(f"bitmap of {data.size} bytes for {elements} elements")
+        positions = np.flatnonzero(np.unpackbits(data, count=elements, bitorder="little"))
+    else:
+        raise DeltaFormatError(f"unknown position codec {codec}")
+    if positions.size != changed or (changed and (positions[-1] >= elements or positions[0] < 0)):
+        raise DeltaFormatError(f"delta positions out of range for {elements} elements")
+    return positions

@@ -1,0 +1,151 @@
+"""Delta encoding (sync_runtime/transfer/delta.py): exact at the bit level, smallest of its codecs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sync_runtime.transfer import delta
+from sync_runtime.transfer.checksum import checksum_bytes
+
+pytestmark = pytest.mark.unit
+
+ITEMSIZES = st.sampled_from([1, 2, 4, 8])
+
+
+@st.composite
+def base_and_new(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
+    """A base and a new version of the same bytes; changes anywhere from none to all elements."""
+    itemsize = draw(ITEMSIZES)
+    elements = draw(st.integers(0, 3000))
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, elements * itemsize, dtype=np.uint8)
+    new = base.copy()
+    fraction = draw(st.sampled_from([0.0, 0.001, 0.03, 0.2, 0.5, 0.9, 1.0]))
+    changed = rng.random(elements) < fraction
+    words = new.view(delta._UINT[itemsize])
+    flips = rng.integers(1, 256, int(changed.sum()), dtype=np.uint8).astype(words.dtype)
+    words[changed] ^= flips << (8 * (itemsize - 1))  # top byte: sign and exponent bits
+    return base, new, itemsize
+
+
+def _roundtrip(base: np.ndarray, new: np.ndarray, itemsize: int) -> delta.Encoded:
+    enc = delta.encode(base, new, itemsize)
+    out = np.empty_like(base)
+    assert delta.decode(enc.message, base, out) == enc.changed
+    assert out.tobytes() == new.tobytes()
+    assert enc.nbytes <= delta.max_message_bytes(new.size)
+    return enc
+
+
+@given(base_and_new())
+@settings(max_examples=300, deadline=None)
+def test_decode_of_encode_is_the_new_bytes(case: tuple[np.ndarray, np.ndarray, int]) -> None:
+    base, new, itemsize = case
+    enc = _roundtrip(base, new, itemsize)
+    words_b, words_n = base.view(delta._UINT[itemsize]), new.view(delta._UINT[itemsize])
+    assert enc.changed == int((words_b != words_n).sum())
+    # a larger receive buffer (the receiver's upper bound) decodes the same
+    padded = np.zeros(delta.max_message_bytes(new.size) + 64, dtype=np.uint8)
+    padded[: enc.nbytes] = enc.message
+    out = np.empty_like(base)
+    delta.decode(padded, base, out)
+    assert out.tobytes() == new.tobytes()
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=200))
+def test_varints_roundtrip_exactly(values: list[int]) -> None:
+    arr = np.array(values, dtype=np.uint64)
+    assert delta.decode_varints(delta.encode_varints(arr), len(values)).tolist() == values
+
+
+def _bits16(values: list[float]) -> np.ndarray:
+    return torch.tensor(values, dtype=torch.bfloat16).view(torch.uint8).numpy().copy()
+
+
+def test_float_special_values_are_changes_like_any_other() -> None:
+    """-0.0/+0.0, sign flips and NaNs with different payloads differ as bits: all carried exactly."""
+    base = _bits16([0.0, 1.0, 2.0, 3.0] * 64)
+    new = base.copy()
+    words = new.view(np.uint16)
+    words[0] = 0x8000  # -0.0 where +0.0 was: equal as floats, a change as bits
+    words[1] ^= 0x8000  # 1.0 -> -1.0
+    words[2] = 0x7FC1  # a NaN
+    base.view(np.uint16)[3] = 0x7FC2  # base holds another NaN payload...
+    words[3] = 0x7FC3  # ...replaced by a third: NaN != NaN as floats, still a change
+    enc = _roundtrip(base, new, 2)
+    assert enc.kind == delta.DELTA and enc.changed == 4
+    f32 = np.array([0.0, np.nan, 1.5], dtype=np.float32).view(np.uint8).copy()
+    g32 = f32.copy()
+    g32.view(np.uint32)[1] = 0x7FC00001  # a NaN with another payload
+    g32.view(np.uint32)[0] = 0x80000000
+    assert _roundtrip(f32, g32, 4).changed == 2
+
+
+def test_none_changed_is_a_header_and_all_changed_is_dense() -> None:
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 256, 4096, dtype=np.uint8)
+    enc = _roundtrip(base, base.copy(), 2)
+    assert (enc.kind, enc.changed, enc.nbytes) == (delta.DELTA, 0, delta.HEADER_BYTES)
+    enc = _roundtrip(base, base ^ np.uint8(1), 2)
+    assert (enc.kind, enc.changed) == (delta.DENSE, 2048)
+    assert enc.nbytes == delta.max_message_bytes(base.size)
+
+
+def test_codec_is_the_smallest() -> None:
+    """Few scattered changes travel as varint gaps, many as a bitmap, runs through zlib."""
+    n = 1 << 16
+    base = np.zeros(2 * n, dtype=np.uint8)
+    sparse = base.copy()
+    sparse.view(np.uint16)[::1000] = 1
+    enc = _roundtrip(base, sparse, 2)
+    assert (
+        enc.message[5] == delta.VARINT and enc.nbytes == delta.HEADER_BYTES + 66 * 2 + 66 * 2
+    )  # 2-byte gaps, 2-byte values
+    rng = np.random.default_rng(1)
+    small = np.zeros(2 * 8192, dtype=np.uint8)  # a 1 KiB bitmap: below zlib's threshold
+    dense_ish = small.copy()
+    dense_ish.view(np.uint16)[rng.random(8192) < 0.3] = 1
+    assert _roundtrip(small, dense_ish, 2).message[5] == delta.BITMAP
+    runs = base.copy()
+    runs.view(np.uint16)[: n // 4] = 1  # one block of changes: a bitmap of 0xFF, then zeros
+    assert _roundtrip(base, runs, 2).message[5] in (delta.ZLIB_BITMAP, delta.ZLIB_VARINT)
+
+
+def test_wrong_base_fails_the_checksum() -> None:
+    """Negative control: a delta decoded onto another base gives bytes whose checksum is not the
+    new tensor's, so the receiver's per-tensor verification refuses them."""
+    rng = np.random.default_rng(2)
+    base = rng.integers(0, 256, 8192, dtype=np.uint8)
+    new = base.copy()
+    new.view(np.uint16)[rng.random(4096) < 0.02] ^= 0x0101
+    enc = delta.encode(base, new, 2)
+    assert enc.kind == delta.DELTA
+    wrong = base.copy()
+    wrong.view(np.uint16)[7] ^= 0x0001  # one unchanged element differs in the receiver's base
+    out = np.empty_like(base)
+    delta.decode(enc.message, wrong, out)
+    want = checksum_bytes(torch.from_numpy(new))
+    assert checksum_bytes(torch.from_numpy(out)) != want
+    delta.decode(enc.message, base, out)
+    assert checksum_bytes(torch.from_numpy(out)) == want
+
+
+def test_malformed_messages_are_refused() -> None:
+    base = np.zeros(64, dtype=np.uint8)
+    new = base.copy()
+    new[3] = 9
+    enc = delta.encode(base, new, 2)
+    out = np.empty_like(base)
+    with pytest.raises(delta.DeltaFormatError, match="base holds"):
+        delta.decode(enc.message, np.zeros(66, dtype=np.uint8), np.empty(66, dtype=np.uint8))
+    bad = enc.message.copy()
+    bad[0] ^= 1
+    with pytest.raises(delta.DeltaFormatError, match="magic"):
+        delta.decode(bad, base, out)
+    with pytest.raises(delta.DeltaFormatError, match="shorter"):
+        delta.decode(enc.message[:10], base, out)
