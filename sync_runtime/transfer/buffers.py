@@ -31,7 +31,9 @@ import torch
 
 from sync_runtime.core.layouts.base import Box, box_shape
 from sync_runtime.core.plan import Bucket, Transfer
-from sync_runtime.transfer.checksum import checksum_bytes, checksum_tensor
+from sync_runtime.transfer.checksum import checksum_bytes, checksum_tensor, raw_bytes
+from sync_runtime.transfer.delta import max_message_bytes
+from sync_runtime.transfer.delta_wire import DeltaIO
 
 ALIGN = 16
 TensorLookup = Callable[[str], torch.Tensor]
@@ -112,20 +114,29 @@ def pack_bucket(
     pool: BufferPool | None = None,
     direct_min_bytes: int = 0,
     wire: DtypeOf | None = None,
+    delta: DeltaIO | None = None,
 ) -> Outgoing:
     """Build a bucket's messages and write every transfer's checksum into the tail's header.
 
     A checksum is taken on the bytes as they will travel: the source region itself when it is
     contiguous, else the packed copy (the region's elements in row-major order either way).
     `wire`: the dtype each transfer travels in, where it may differ from the tensor's (a relay's
-    staging); None: the tensors' own dtypes.
+    staging); None: the tensors' own dtypes. `delta`: the sync's delta-format transfers
+    (delta_wire.py); the checksum is then still the full new region's.
     """
     layout = message_layout(bucket, direct_min_bytes)
     out = Outgoing([], [])
     sums = [0] * len(bucket.transfers)
+    in_delta = delta is not None and delta.applies(bucket.dst_rank)
     for i in layout.direct:
         t = bucket.transfers[i]
         region = source(t.src_name)[box_slices(t.src_box)]
+        if in_delta:
+            new = raw_bytes(region)
+            sums[i] = checksum_bytes(new)
+            out.messages.append(delta.encode(t, bucket.dst_rank, new, region.element_size()))  # type: ignore[union-attr]
+            out.pooled.append(False)
+            continue
         dtype = region.dtype if wire is None else wire(t)
         if region.is_contiguous() and region.device == device and region.dtype == dtype:
             msg, pooled = flat_bytes(region), False
@@ -163,6 +174,8 @@ class Incoming:
     landed: int = 0
     wire: list[torch.dtype | None] = field(default_factory=list)
     """Wire dtype of each transfer (None: the staged tensor's own, no cast)."""
+    delta: DeltaIO | None = None
+    """Set when the direct messages travel in the delta format (delta_wire.py)."""
 
     @property
     def complete(self) -> bool:
@@ -176,11 +189,14 @@ def receive_bucket(
     pool: BufferPool,
     direct_min_bytes: int = 0,
     wire: DtypeOf | None = None,
+    delta: DeltaIO | None = None,
 ) -> Incoming:
     """Receive buffers for a bucket: staging views where the staged region is contiguous and
     holds the wire dtype (`wire`: per transfer; None: every staged tensor holds it)."""
     layout = message_layout(bucket, direct_min_bytes)
     inc = Incoming(bucket, layout, [], [], [], [None] * len(bucket.transfers))
+    if delta is not None and delta.applies(bucket.dst_rank):
+        inc.delta = delta
     if wire is not None:
         for t in bucket.transfers:
             dtype = wire(t)
@@ -190,6 +206,10 @@ def receive_bucket(
         region = staged(t.dst_name)[box_slices(t.dst_box)]
         inc.regions.append(region)
         cast = wire is not None and inc.wire[i] is not None
+        if inc.delta is not None:  # an upper bound: gloo lands a shorter message in it
+            inc.messages.append(pool.get(max_message_bytes(t.nbytes), device))
+            inc.pooled.append(True)
+            continue
         in_place = region.is_contiguous() and region.device == device and not cast
         inc.messages.append(flat_bytes(region) if in_place else pool.get(t.nbytes, device))
         inc.pooled.append(not in_place)
@@ -202,6 +222,12 @@ def land(inc: Incoming, m: int, staged: TensorLookup) -> None:
     """Message `m` of the bucket arrived: checksum it and move it into staging."""
     inc.landed += 1
     layout, transfers = inc.layout, inc.bucket.transfers
+    if m < len(layout.direct) and inc.delta is not None:
+        i = layout.direct[m]
+        region = inc.regions[m]
+        if inc.delta.decode(transfers[i], inc.messages[m], region):  # else sums[i] stays None: bad
+            inc.sums[i] = checksum_tensor(region)  # the rebuilt new region, in staging
+        return
     if m < len(layout.direct):
         msg = inc.messages[m]
         inc.sums[layout.direct[m]] = checksum_bytes(msg)  # the wire bytes, before any cast

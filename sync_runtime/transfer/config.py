@@ -37,6 +37,10 @@ class TransferConfig:
     into a wire-dtype buffer, verifies their checksum, and casts once into its staging. Filled by
     the runtime from discovery (runtime/discovery.py); empty when every dtype agrees. Local to the
     receiver: senders and the plan never see it (docs/dtypes.md)."""
+    delta_base: tuple[tuple[int, str], ...] = ()
+    """(destination rank, base version) for every rank whose replica holds that version on all
+    its ranks: its direct transfers travel in the delta format (delta_wire.py). The same on every
+    rank of a sync (the group agrees on it); empty: a full sync."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -64,3 +68,10 @@ class RankResult:
     recv_bytes: int
     seconds: float
     failure: SyncFailure | None = None
+    wire_bytes: int = 0
+    """Payload bytes this rank sent (send_bytes in full; less where deltas went instead)."""
+    delta_transfers: int = 0
+    """Transfers this rank sent in the delta format (as a delta or, without a base, dense)."""
+    delta_elements: int = 0
+    delta_changed: int = 0
+    """Elements compared against the kept base, and how many of them changed."""

@@ -146,10 +146,21 @@ def encode(base: np.ndarray, new: np.ndarray, itemsize: int) -> Encoded:
         msg = np.empty(HEADER_BYTES, dtype=np.uint8)
         _header(msg, DELTA, VARINT, itemsize, elements, 0, 0)
         return Encoded(msg, DELTA, elements, 0)
+    return encode_dense(new, itemsize, changed)
+
+
+def encode_dense(new: np.ndarray, itemsize: int, changed: int = 0) -> Encoded:
+    """The dense message: the new bytes whole (a sender without the receiver's base sends this)."""
+    elements = _as_uint(new, itemsize).size
     msg = np.empty(max_message_bytes(new.size), dtype=np.uint8)
     _header(msg, DENSE, VARINT, itemsize, elements, changed, 0)
     msg[HEADER_BYTES:] = new
     return Encoded(msg, DENSE, elements, changed)
+
+
+def word_size(element_size: int) -> int:
+    """The integer width a dtype's elements are compared in (its own, or the widest dividing it)."""
+    return next(w for w in (8, 4, 2, 1) if element_size % w == 0 and w <= element_size)
 
 
 def _header(

@@ -45,6 +45,7 @@ from sync_runtime.transfer.buffers import (
     receive_bucket,
 )
 from sync_runtime.transfer.config import RankResult, TransferConfig
+from sync_runtime.transfer.delta_wire import DeltaIO, KeptBits, account, agreed
 from sync_runtime.transfer.dtypes import WireDtypes
 from sync_runtime.transfer.fence import check_fence, fingerprint
 from sync_runtime.transfer.group import SyncGroup, peer_failed
@@ -99,6 +100,7 @@ class _Executor:
     sync_id: int
     on_progress: ProgressFn | None
     hooks: EngineHooks | None
+    delta: DeltaIO | None
     device: torch.device = field(init=False)
     wire: WireDtypes = field(init=False)  # per transfer, the dtype its bytes travel in (dtypes.py)
     waiter: MessageWaiter | None = None
@@ -161,7 +163,9 @@ class _Executor:
     def _pack(self, round_index: int, j: int, bucket: Bucket) -> Outgoing:
         self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
         cfg, pool = self.config, self.group.buffers
-        out = pack_bucket(bucket, self._source, self.device, pool, cfg.direct_min_bytes, self.wire.send)
+        out = pack_bucket(
+            bucket, self._source, self.device, pool, cfg.direct_min_bytes, self.wire.send, self.delta
+        )
         if self.hooks is not None and self.hooks.after_pack is not None:
             self.hooks.after_pack(round_index, bucket, out.tail)
         return out
@@ -182,11 +186,9 @@ class _Executor:
         flight = _Round(i)
         recv_buckets, send_buckets = self.plan.recvs[i], self.plan.sends[i]
         rtags, stags = _Tags(i), _Tags(i)
-        recvs = []
+        recvs, pool, direct = [], self.group.buffers, self.config.direct_min_bytes
         for j, b in enumerate(recv_buckets):
-            inc = receive_bucket(
-                b, self._staged, self.device, self.group.buffers, self.config.direct_min_bytes, self.wire.recv
-            )
+            inc = receive_bucket(b, self._staged, self.device, pool, direct, self.wire.recv, self.delta)
             flight.incoming[j] = inc
             for m, buf in enumerate(inc.messages):
                 recvs.append((b.src_rank, buf, rtags.next(b.src_rank)))
@@ -345,6 +347,7 @@ def run_rank_plan(
     config: TransferConfig,
     on_progress: ProgressFn | None = None,
     hooks: EngineHooks | None = None,
+    kept: KeptBits | None = None,
 ) -> RankResult:
     """Run this rank's sends and receives of one sync. Never raises for a transfer failure.
 
@@ -354,14 +357,17 @@ def run_rank_plan(
     must have called `destination.begin(version)`; the caller commits (all ok) or aborts
     afterwards. A relay rank's sends read its destination staging. `hooks`: tests only.
     A source rank fences its tensors (fence.py): one that changed before the end fails the sync.
+    `kept`: a source's copy of what it last sent, for `config.delta_base`'s transfers (delta_wire.py).
     """
     start = time.perf_counter()
     sync_id = group.begin_sync()
-    ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress, hooks)
+    base_for = dict(config.delta_base)
+    delta = DeltaIO(base_for, kept, destination.tensors if destination else None) if base_for else None
+    ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress, hooks, delta)
     try:
         fence = fingerprint(sources) if sources is not None else None
         preflight(group, plan, sources, destination, config)
-        group.agree_digest(sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}")
+        group.agree_digest(sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}|{agreed(base_for)}")
         ex.run()
         if fence is not None:  # before `finish`: every rank then fails with this as the cause
             check_fence(fence, sources, plan.rank)  # type: ignore[arg-type]
@@ -374,7 +380,8 @@ def run_rank_plan(
             group.adopt(ex.waiter.thread)
         seconds = time.perf_counter() - start
         return RankResult(plan.rank, False, ex.send_bytes, ex.recv_bytes, seconds, failure=failure)
-    return RankResult(plan.rank, True, ex.send_bytes, ex.recv_bytes, time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return account(RankResult(plan.rank, True, ex.send_bytes, ex.recv_bytes, seconds), delta)
 
 
 def _peer_failure(group: SyncGroup, sync_id: int) -> SyncFailure | None:
