@@ -78,6 +78,7 @@ def full_spec() -> dict:
             "transferTimeoutSeconds": 60,
             "staging": "device",
             "snapshot": True,
+            "delta": "off",
         },
         "retry": {"limit": 5, "backoffSeconds": 2, "maxBackoffSeconds": 60},
         "runtime": {
@@ -106,7 +107,7 @@ def test_every_field_parses_from_camel_case() -> None:
         "auto",
     )
     assert (t.connect_timeout_seconds, t.transfer_timeout_seconds) == (30, 60)
-    assert (t.staging, t.snapshot) == ("device", True)
+    assert (t.staging, t.snapshot, t.delta) == ("device", True, "off")
     assert (spec.retry.limit, spec.retry.backoff_seconds, spec.retry.max_backoff_seconds) == (5, 2, 60)
     rt = spec.runtime
     assert rt.node_selector == {"pool": "cpu"} and rt.image == "img:1"

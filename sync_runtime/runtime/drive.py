@@ -35,9 +35,14 @@ def backend_for(participants: Sequence[Participant], transport: Transport) -> st
 
 
 def transfer_config(
-    transport: Transport, participant: Participant, backend: str | None = None, staging: str | None = None
+    transport: Transport,
+    participant: Participant,
+    backend: str | None = None,
+    staging: str | None = None,
+    delta_base: Mapping[int, str] | None = None,
 ) -> TransferConfig:
-    """`staging`: the rank's own policy (its deployment's), else transport.staging."""
+    """`staging`: the rank's own policy (its deployment's), else transport.staging. `delta_base`:
+    the destination ranks that take deltas this sync, and their base (runtime/delta_base.py)."""
     backend = backend or backend_for([participant], transport)
     device = participant.meta.device if backend == "nccl" else "cpu"
     return TransferConfig(
@@ -47,6 +52,8 @@ def transfer_config(
         staging=staging or transport.staging,
         snapshot=transport.snapshot,
         wire_dtypes=participant.wire_dtypes,  # the destination rank's casts, found by discovery
+        delta_base=tuple(sorted((delta_base or {}).items())),
+        keep_sent=transport.delta == "auto" and backend == "gloo",
     )
 
 
@@ -69,6 +76,7 @@ def drive_transfer(
     on_progress: Callable[[int], None],
     txn: str | None = None,
     staging: Mapping[int, str] | None = None,
+    delta_base: Mapping[int, str] | None = None,
 ) -> Transfer:
     """Run every rank's plan concurrently; all results, or the root cause of the failure.
 
@@ -83,7 +91,7 @@ def drive_transfer(
     programs = None if session.plans_sent else plan.rank_plans(range(len(ps)))
     for rank, p in enumerate(ps):
         rank_plan = plan.digest if programs is None else next(programs)
-        cfg = transfer_config(transport, p, backend, (staging or {}).get(rank))
+        cfg = transfer_config(transport, p, backend, (staging or {}).get(rank), delta_base)
         refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg, txn)] = rank
     session.syncs += 1  # the engine numbers syncs per group from 1; keeps the coordinator in step
     margin = deadline_margin(transport.transfer_timeout_seconds)

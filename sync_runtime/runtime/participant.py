@@ -53,6 +53,7 @@ from sync_runtime.transfer import (
     snapshot,
 )
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
+from sync_runtime.transfer.delta_wire import KeptBits
 
 log = logging.getLogger("weightsync.participant")
 
@@ -75,6 +76,9 @@ class ParticipantMeta:
     group_name: str | None
     group_healthy: bool
     model_config: dict[str, Any] | None = field(default=None, compare=False)
+    live_base: bool = field(default=False, compare=False)
+    """A destination whose live tensors hold its committed bytes in host-readable memory, the base
+    a delta is rebuilt from (DestinationWeights); others take every sync in full."""
 
 
 @dataclass(slots=True)
@@ -98,6 +102,8 @@ class _State:
     store_addr: tuple[str, int, float] | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     """Serving switch and commit are atomic for an observer (a threaded actor's other calls)."""
+    kept: KeptBits | None = None
+    """Source: the bits it sent in its last successful sync (delta syncs; host memory = shard)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -189,6 +195,7 @@ class WeightSyncParticipant(ServingControl):
             group_name=st.group_key[0] if st.group_key else None,
             group_healthy=healthy,
             model_config=st.model_config,
+            live_base=isinstance(st.destination, DestinationWeights),
         )
 
     def _ws_live(self) -> dict[str, torch.Tensor]:
@@ -286,6 +293,8 @@ class WeightSyncParticipant(ServingControl):
                 self._ws_begin(version, config, txn)
             else:
                 sources = snapshot(st.tensors, rank) if config.snapshot else st.tensors
+            if not config.keep_sent:
+                st.kept = None  # delta off: free the copy
             result = run_rank_plan(
                 st.group,
                 rank_plan,
@@ -294,7 +303,11 @@ class WeightSyncParticipant(ServingControl):
                 config=config,
                 on_progress=self._ws_progress,
                 hooks=self._ws_hooks,
+                kept=st.kept,
             )
+            if result.ok and sources is not None and config.keep_sent:
+                st.kept = st.kept or KeptBits()
+                st.kept.record(sources, version)  # exactly what was sent: the fence held
             if result.ok and st.destination is not None and st.txn is not None and st.record is not None:
                 participant_txn.prepare(st.destination, st.record, st.txn, rank)
             return result

@@ -147,6 +147,9 @@ class Transport(CrdModel):
     """The destinations' staging policy, unless a destination sets its own (DeploymentRef.staging)."""
     snapshot: bool = False
     """Copy the source shards to host memory first, so the trainer may step during the transfer."""
+    delta: Literal["auto", "off"] = "auto"
+    """auto: a replica whose ranks all hold the version a source last sent gets only the changed
+    elements (docs/update-protocol.md); off: every sync in full."""
 
 
 class RetryPolicy(CrdModel):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Protocol
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
@@ -90,6 +90,17 @@ class SyncReport(WireModel):
     """Per destination replica after the commit (or the recovery that preceded a failed sync)."""
     recovered: list[str] = []
     """What this sync finished of an earlier, interrupted one (roll forward / back)."""
+    encoding: Literal["full", "delta", "mixed"] = "full"
+    """How the destination ranks took this sync: all in full, all as deltas, or some of each."""
+    wire_bytes: int = 0
+    """Payload bytes the ranks sent (full_bytes less what deltas saved)."""
+    full_bytes: int = 0
+    """Payload bytes of the same sync in full."""
+    changed_fraction: float | None = None
+    """Of the elements compared against a replica's base, the fraction that changed."""
+    delta_retried: bool = False
+    """A delta sync failed a checksum (a replica's live bytes were not its version) and was
+    redone in full in the same run."""
 
 
 class ProgressEvent(WireModel):

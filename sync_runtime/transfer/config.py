@@ -40,7 +40,10 @@ class TransferConfig:
     delta_base: tuple[tuple[int, str], ...] = ()
     """(destination rank, base version) for every rank whose replica holds that version on all
     its ranks: its direct transfers travel in the delta format (delta_wire.py). The same on every
-    rank of a sync (the group agrees on it); empty: a full sync."""
+    rank of a sync (the group agrees on it); empty: a full sync. gloo only: NCCL needs equal
+    message sizes at both ends."""
+    keep_sent: bool = False
+    """Source: keep a host copy of what a successful sync sent, the base of the next deltas."""
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):
@@ -53,6 +56,8 @@ class TransferConfig:
             raise ValueError(f"poll_interval_s={self.poll_interval_s}: must be in (0, timeout_s]")
         if self.staging not in ("host", "device", "inplace"):
             raise ValueError(f"staging={self.staging!r}: must be 'host', 'device' or 'inplace'")
+        if self.delta_base and self.backend != "gloo":
+            raise ValueError("delta_base: delta syncs need the gloo backend")
         if self.direct_min_bytes < 0:
             raise ValueError(f"direct_min_bytes={self.direct_min_bytes}: must be >= 0")
 
@@ -71,7 +76,8 @@ class RankResult:
     wire_bytes: int = 0
     """Payload bytes this rank sent (send_bytes in full; less where deltas went instead)."""
     delta_transfers: int = 0
-    """Transfers this rank sent in the delta format (as a delta or, without a base, dense)."""
+    dense_transfers: int = 0
+    """Transfers this rank sent in the delta format as deltas, and dense (no base, or no gain)."""
     delta_elements: int = 0
     delta_changed: int = 0
     """Elements compared against the kept base, and how many of them changed."""

@@ -158,9 +158,6 @@ def account(result: RankResult, io: DeltaIO | None) -> RankResult:
     if io is not None:  # the delta-format messages replace their transfers' full bytes
         st = io.stats
         result.wire_bytes += st.wire_bytes - st.nbytes
-        result.delta_transfers, result.delta_elements, result.delta_changed = (
-            st.transfers,
-            st.elements,
-            st.changed,
-        )
+        result.delta_transfers, result.dense_transfers = st.delta_transfers, st.transfers - st.delta_transfers
+        result.delta_elements, result.delta_changed = st.elements, st.changed
     return result

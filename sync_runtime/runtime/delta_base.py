@@ -1,0 +1,64 @@
+"""Which destination replicas a sync sends deltas to, and what the deltas came to.
+
+A replica takes deltas only when every one of its ranks reports, after the recovery that starts
+each sync (commit.recover -> settle: each rank's own committed version, rolled forward or back
+per the commit record), the same committed version and serves it: that version is the base.
+Every other replica takes the same sync in full. Also in full: spec.transport.delta=off, the
+NCCL backend (its receives need the exact message size), a relayed plan (a relay forwards what
+it staged and keeps no base), `inplace` staging (staging is the live base itself), a rank
+that casts on receipt (its live bytes are not the wire's) and a rank whose live tensors are not
+readable bytes (`ParticipantMeta.live_base`: the vLLM worker's Staging holds none).
+
+The base is a fact the receivers check, not a hope: each rebuilt region is verified against the
+checksum of the source's full new region before the commit. A replica whose live bytes differ
+from the version it reports fails that check; the coordinator then retries the sync in full, in
+the same run (`Coordinator._sync`), and reports `deltaRetried`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sync_runtime.runtime.commit import Dest, replicas_of
+from sync_runtime.schema.crd import WeightSyncSpec
+from sync_runtime.schema.report import ReplicaState, ReplicaVersion
+from sync_runtime.transfer import RankResult
+
+
+def delta_bases(
+    spec: WeightSyncSpec, dests: Sequence[Dest], replicas: Sequence[ReplicaVersion], backend: str, relay: bool
+) -> dict[int, str]:
+    """Destination rank -> base version, for the ranks of every replica that takes deltas."""
+    if spec.transport.delta == "off" or backend != "gloo" or relay:
+        return {}
+    held = {
+        (r.deployment, r.replica): r.version
+        for r in replicas
+        if r.state is ReplicaState.SERVING and r.version and all(v == r.version for v in r.rank_versions)
+    }
+    out: dict[int, str] = {}
+    for (deployment, replica), members in replicas_of(dests).items():
+        base = held.get((deployment, replica))
+        if base is None or spec.staging_of(deployment) == "inplace":
+            continue
+        if any(d.p.wire_dtypes or not d.p.meta.live_base for d in members):
+            continue
+        out.update((d.rank, base) for d in members)
+    return out
+
+
+def summary(results: Sequence[RankResult], dests: Sequence[Dest], bases: dict[int, str]) -> dict:
+    """The report's encoding, wire and full payload bytes, and the fraction of the elements
+    compared against a base that changed. Encoding: `full` when no transfer went as a delta,
+    `delta` when every destination rank took deltas and every transfer in the delta format went
+    as one, `mixed` otherwise (a replica in full, or transfers sent dense: no base or no gain)."""
+    deltas, dense = sum(r.delta_transfers for r in results), sum(r.dense_transfers for r in results)
+    every_rank = {d.rank for d in dests} <= set(bases)
+    encoding = "full" if not deltas else "delta" if every_rank and not dense else "mixed"
+    elements = sum(r.delta_elements for r in results)
+    return {
+        "encoding": encoding,
+        "wire_bytes": sum(r.wire_bytes for r in results),
+        "full_bytes": sum(r.send_bytes for r in results),
+        "changed_fraction": sum(r.delta_changed for r in results) / elements if elements else None,
+    }
