@@ -8,8 +8,11 @@ Two jobs, both inside a vLLM worker process:
   post-load processing (the six steps of docs/vllm.md), as its layerwise reload does, plus the two
   fixes vLLM 0.32's reload path lacks (MoE kernel prepack, tied lm_head).
 
-Both use private vLLM API (`vllm.model_executor.model_loader.reload.*`); it changes between
-releases, so `require_supported_vllm` refuses any version this code was not proven against.
+This is the one module that names vLLM's private API (`vllm.model_executor.model_loader.
+reload.*`: nine names). It changes between releases, so `KNOWN_VLLM` lists the releases whose
+internals were read and found to hold those names with the meaning used here, and
+`require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
+setup and the weightsync backend's `init_transfer_engine` call it before anything else).
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ import torch
 
 from sync_runtime.errors import DestinationError, SyncStep
 
-SUPPORTED_VLLM = ("0.32.",)
-"""Release prefixes whose private reload internals this module was proven against (bit-exact)."""
+KNOWN_VLLM: dict[str, str] = {
+    "0.31": "reload internals read: the nine names exist with 0.32's signatures (only "
+    "`_layerwise_process` differs: 0.32 adds an online-quantization timer)",
+    "0.32": "bit-exact against checkpoint-loaded engines (tests/engines/test_vllm_*.py)",
+}
+"""vLLM release series (major.minor) whose private reload internals this module uses, and why
+each is trusted."""
+SUPPORTED_VLLM = tuple(f"{series}." for series in KNOWN_VLLM)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +53,16 @@ class EngineTensor:
 def require_supported_vllm() -> str:
     import vllm
 
-    version = str(vllm.__version__)
+    return check_vllm_version(str(vllm.__version__))
+
+
+def check_vllm_version(version: str) -> str:
+    """`version` when its release series is in KNOWN_VLLM; else a DestinationError naming it."""
     if not version.startswith(SUPPORTED_VLLM):
+        known = ", ".join(f"{series}.x" for series in KNOWN_VLLM)
         raise DestinationError(
-            f"vLLM {version}: the weight apply path is proven for {', '.join(SUPPORTED_VLLM)}x only "
-            "(it uses vLLM's private reload internals)"
+            f"vLLM {version} is not a known version (known: {known}): WeightSync applies weights "
+            "through vLLM's private reload internals, which change between releases"
         )
     return version
 

@@ -19,33 +19,16 @@ from __future__ import annotations
 
 import pickle
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-from sync_runtime.errors import DestinationError, ParticipantDied, WeightSyncError
+from sync_runtime.engines.vllm_batch import Batch, RankBatcher, Result, all_committed, value
+from sync_runtime.errors import DestinationError
 from sync_runtime.runtime.participant import ParticipantMeta
 
 WORKER_EXTENSION = "sync_runtime.engines.vllm_worker.VllmWorkerExtension"
-RENDEZVOUS = frozenset({"ws_join", "ws_run"})
-"""Methods whose ranks block on each other: wait for every local rank before dispatching."""
-RENDEZVOUS_WAIT_S = 30.0
-GATHER_WINDOW_S = 0.05
-"""Other methods: dispatch what arrived within this window (a rank called alone still runs)."""
 
 
-@dataclass
-class _Batch:
-    method: str
-    args: dict[int, tuple] = field(default_factory=dict)
-    closed: bool = False
-    done: threading.Event = field(default_factory=threading.Event)
-    results: list[tuple[str, Any]] = field(default_factory=list)
-    error: Exception | None = None
-
-
-class VllmReplica:
+class VllmReplica(RankBatcher):
     """One inference replica: a `vllm.LLM` (TP 1 or 2) plus the WeightSync rank protocol.
 
     Wrap with `ray.remote(...).options(max_concurrency=...)` (see `replica_options`).
@@ -81,15 +64,13 @@ class VllmReplica:
             **extra,
         )
         self._engine = threading.Lock()
-        self._cv = threading.Condition()
-        self._open: dict[str, _Batch] = {}
         ctx = ray.get_runtime_context()
         node = ray.util.get_node_ip_address()
         name, actor_id = ctx.get_actor_name() or "", ctx.get_actor_id() or ""
-        self._ranks = tensor_parallel_size  # pp = 1: local index = tp rank
+        self._init_batcher(tensor_parallel_size)  # pp = 1: local index = tp rank
         setup = {i: (replica, node, name, actor_id) for i in range(self._ranks)}
         try:
-            metas = [_value(r) for r in self._rpc("ws_setup", setup)]
+            metas = [value(r) for r in self._rpc("ws_setup", setup)]
             for i, m in enumerate(metas):
                 if m.coord.pp_rank * tensor_parallel_size + m.coord.tp_rank != i:
                     raise DestinationError(f"worker {i} reports {m.coord}: vLLM's worker order changed")
@@ -103,67 +84,20 @@ class VllmReplica:
 
     def ws_meta(self) -> list[ParticipantMeta]:
         """One meta per worker (fresh: version and group health)."""
-        return [_value(r) for r in self._rpc("ws_meta", {i: () for i in range(self._ranks)})]
+        return [value(r) for r in self._rpc("ws_meta", {i: () for i in range(self._ranks)})]
 
-    def ws_num_ranks(self) -> int:
-        return self._ranks
+    def _after_batch(self, batch: Batch) -> None:
+        if batch.method == "ws_commit":
+            self._label_version(batch)
 
-    def ws_rank_call(self, index: int, method: str, args: Sequence[Any]) -> Any:
-        """`method(*args)` on local rank `index`, batched with the same method of other ranks."""
-        if not 0 <= index < self._ranks:
-            raise DestinationError(f"no local rank {index} (this replica has {self._ranks})")
-        batch, leader = self._join_batch(index, method, tuple(args))
-        if leader:
-            self._run_batch(batch)
-        batch.done.wait()
-        if batch.error is not None:
-            raise batch.error
-        kind, value = batch.results[index]
-        if kind == "error":
-            raise value
-        if kind == "skip":
-            raise DestinationError(f"{method}: rank {index} was not dispatched")
-        return value
-
-    def _join_batch(self, index: int, method: str, args: tuple) -> tuple[_Batch, bool]:
-        with self._cv:
-            batch = self._open.get(method)
-            if batch is None or batch.closed or index in batch.args:
-                batch = self._open[method] = _Batch(method)
-            batch.args[index] = args
-            self._cv.notify_all()
-            return batch, len(batch.args) == 1
-
-    def _run_batch(self, batch: _Batch) -> None:
-        wait = RENDEZVOUS_WAIT_S if batch.method in RENDEZVOUS else GATHER_WINDOW_S
-        deadline = time.monotonic() + wait
-        with self._cv:
-            while len(batch.args) < self._ranks and time.monotonic() < deadline:
-                self._cv.wait(deadline - time.monotonic())
-            batch.closed = True
-            if self._open.get(batch.method) is batch:
-                del self._open[batch.method]
-        try:
-            batch.results = self._rpc(batch.method, dict(batch.args))
-            if batch.method == "ws_commit":
-                self._label_version(batch)
-        except Exception as e:  # the engine died (a worker was killed): every rank learns it
-            batch.error = e if isinstance(e, WeightSyncError) else ParticipantDied(f"vLLM engine: {e!r}")
-        finally:
-            batch.done.set()
-
-    def _label_version(self, batch: _Batch) -> None:
+    def _label_version(self, batch: Batch) -> None:
         """The engine's weight version label follows the workers once every rank committed."""
-        committed = {r[1] for r in batch.results if r[0] == "ok"}
-        if (
-            len(batch.args) == self._ranks
-            and len(committed) == 1
-            and all(r[0] == "ok" for r in batch.results)
-        ):
+        committed = all_committed(batch, self._ranks)
+        if committed is not None:
             with self._engine:
-                self.llm.llm_engine.set_weight_version(str(committed.pop()))
+                self.llm.llm_engine.set_weight_version(committed)
 
-    def _rpc(self, method: str, per_rank: dict[int, tuple]) -> list[tuple[str, Any]]:
+    def _rpc(self, method: str, per_rank: dict[int, tuple]) -> list[Result]:
         payload = pickle.dumps(per_rank)  # control data only; see VllmWorkerExtension.ws_dispatch
         with self._engine:
             answers = self.llm.collective_rpc("ws_dispatch", args=(method, payload))
@@ -205,13 +139,6 @@ class VllmReplica:
         """Stop the engine's processes now (before ray.kill, so no worker outlives the actor)."""
         with self._engine:
             self.llm.llm_engine.engine_core.shutdown()
-
-
-def _value(result: tuple[str, Any]) -> Any:
-    kind, value = result
-    if kind == "error":
-        raise value
-    return value
 
 
 def replica_options(

@@ -1,0 +1,147 @@
+"""The `weightsync` weight-transfer engine: one vLLM worker as one WeightSync destination rank.
+
+vLLM builds one `WeightSyncEngine` per worker (`WeightTransferEngineFactory`) and drives it only
+through its public weight-transfer API, which reaches every worker at once:
+
+- `init_weight_transfer_engine({"store_host", "store_port", "prefix", ...})`: the worker
+  connects to the control store of the runtime's proxy for this engine (engines/vllm_ranks.py),
+  becomes a destination rank (coordinates from vLLM's own parallel state, tensors from the live
+  model's pre-load metadata: engines/vllm_worker.VllmRankParticipant with host `VllmStaging`) and
+  posts its metadata there. An unknown vLLM version is refused here, by name.
+- `update_weights({"seq": n, "method": "ws_..."})`: one call of the WeightSync rank protocol.
+  Per-rank arguments and each rank's answer travel through that store (pickled control data,
+  never tensors: vLLM's RPC and HTTP carry only the small JSON update_info). `ws_join` and
+  `ws_run` run on this worker's background thread and `update_weights` returns at once, so the
+  engine keeps serving while the shards stream over the sync's own process group into host
+  staging; every other method runs to completion inside the call. `ws_commit` (the apply) is
+  only sent after the proxy paused the engine, and runs inside vLLM's own RPC, which the engine
+  core never runs concurrently with a forward pass.
+- `start_weight_update` / `finish_weight_update`: bracket a sync (vLLM requires them around
+  update calls); nothing to do here, the apply is the two-phase commit's `ws_commit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from sync_runtime.engines.vllm_apply import require_supported_vllm
+from sync_runtime.engines.vllm_batch import Result
+from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
+from sync_runtime.engines.vllm_worker import VllmWorkerExtension
+from sync_runtime.errors import DestinationError, WeightSyncError
+
+log = logging.getLogger("weightsync.vllm")
+
+BACKGROUND = frozenset({"ws_join", "ws_run"})
+"""Methods that may take the whole transfer: run off vLLM's RPC, so serving goes on."""
+
+
+@dataclass
+class WeightSyncInitInfo(WeightTransferInitInfo):
+    store_host: str
+    store_port: int
+    prefix: str
+    replica: int = 0
+    node: str = ""
+    actor_name: str = ""
+    actor_id: str = ""
+    timeout_s: float = 60.0
+
+
+@dataclass
+class WeightSyncUpdateInfo(WeightTransferUpdateInfo):
+    seq: int
+    method: str
+
+
+class _Dispatch(VllmWorkerExtension):
+    """The worker extension's dispatch, on the attributes a weight-transfer engine is given."""
+
+    def __init__(self, vllm_config: Any, model: torch.nn.Module, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.model_runner = SimpleNamespace(model=model)
+        self.device = device
+
+
+class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
+    init_info_cls = WeightSyncInitInfo
+    update_info_cls = WeightSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._dispatch = _Dispatch(vllm_config, model, device)
+        self._store: dist.TCPStore | None = None
+        self._prefix = ""
+        self._index = -1
+        # One thread: the protocol's calls run in the order they arrive, as on a Ray actor.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync")
+
+    def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
+        require_supported_vllm()  # an unknown vLLM is refused here, before any byte moves
+        info = init_info
+        self._store = dist.TCPStore(
+            info.store_host, info.store_port, is_master=False, timeout=timedelta(seconds=info.timeout_s)
+        )
+        self._prefix = info.prefix
+        self._index = self._dispatch._ws_local_index()
+        setup = {self._index: (info.replica, info.node, info.actor_name, info.actor_id)}
+        result = self._dispatch._ws_dispatch("ws_setup", setup)
+        self._store.set(init_key(self._prefix, self._index), pickle.dumps(result))
+
+    def start_weight_update(self) -> None:
+        pass  # staging begins inside ws_run (VllmStaging.begin); nothing to prepare here
+
+    def finish_weight_update(self) -> None:
+        pass  # the apply is ws_commit, sent while the engine is paused
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # The base class would synchronize the accelerator after every call: nothing here
+        # launches device work except ws_commit, which synchronizes itself (receive_weights).
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: WeightSyncUpdateInfo) -> None:
+        store = self._store
+        if store is None:
+            raise DestinationError("update_weights before init_weight_transfer_engine (weightsync backend)")
+        seq, method = update_info.seq, update_info.method
+        key = args_key(self._prefix, seq, self._index)
+        per_rank = {self._index: pickle.loads(store.get(key))} if store.check([key]) else {}
+
+        def run() -> None:
+            result: Result = self._dispatch._ws_dispatch(method, per_rank)
+            if method == "ws_commit" and torch.accelerator.is_available():
+                torch.accelerator.synchronize()  # the next forward pass reads the applied weights
+            try:
+                payload = pickle.dumps(result)
+            except Exception as e:  # an unpicklable answer still reaches the proxy, as one line
+                payload = pickle.dumps(("error", DestinationError(f"{method}: answer not picklable: {e}")))
+            store.set(answer_key(self._prefix, seq, self._index), payload)
+
+        future = self._executor.submit(run)
+        if method not in BACKGROUND:
+            future.result()
+
+    def shutdown(self) -> None:
+        part = self._dispatch._ws_part
+        if part is not None:
+            try:
+                part.ws_leave()
+            except WeightSyncError as e:
+                log.warning("weightsync backend: leaving the sync group failed: %s", e)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._store = None

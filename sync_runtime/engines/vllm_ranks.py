@@ -1,0 +1,256 @@
+"""Any vLLM engine started with the `weightsync` backend, as N destination ranks for discovery.
+
+`VllmEngineRanks` is a named Ray actor owned by WeightSync, one per vLLM engine (replica). It
+speaks the rank protocol to the coordinator like `VllmReplica` (`ws_meta()` returns one meta per
+worker; calls arrive as `ws_rank_call` and are batched per method, engines/vllm_batch.py), but
+it reaches the engine only through vLLM's own weight-transfer control surface, via an
+`EngineControl`:
+
+- `init`: `init_weight_transfer_engine`, once: every worker joins this actor's control store;
+- each batched protocol call: `start_weight_update` (once per sync), then `update_weights`
+  with `{"seq", "method"}`; the per-rank arguments and answers go through the control store
+  (vllm_plugin/backend.py);
+- `ws_pause` pauses the engine (mode `keep`, `wait` or `abort`) before the workers apply;
+  `ws_resume` ends the update with `finish_weight_update(version)` (vLLM's weight version label)
+  and resumes generation. The seconds between the two are this replica's pause, reported apart
+  from the transfer (`pause_seconds`).
+
+`ActorControl` drives an offline `vllm.LLM` held by a Ray actor the user wrote, by convention:
+no base class and no method to add; the engine is the actor's one attribute holding an `LLM`
+(or the attribute named). An `LLM` is synchronous, so pause and resume are no-ops there: the
+actor runs one call at a time, and the apply is one call, never concurrent with a `generate`.
+"""
+
+from __future__ import annotations
+
+import pickle
+import secrets
+import threading
+import time
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from sync_runtime.engines.vllm_batch import Batch, RankBatcher, Result, value
+from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
+from sync_runtime.errors import DestinationError, DiscoveryError
+from sync_runtime.runtime.participant import ParticipantMeta
+
+PAUSE_MODES = ("keep", "wait", "abort")
+ANSWER_TIMEOUT_S = 3600.0
+"""Longest wait for one worker's answer (a ws_run lasts the whole transfer)."""
+POLL_S = 0.005
+
+
+class EngineControl(Protocol):
+    """vLLM's public weight-transfer control surface of one engine."""
+
+    def world_size(self) -> int: ...
+    def init(self, init_info: dict[str, Any]) -> None: ...
+    def start(self) -> None: ...
+    def update(self, update_info: dict[str, Any]) -> None: ...
+    def finish(self, version: str | None) -> None: ...
+    def pause(self, mode: str) -> None: ...
+    def resume(self) -> None: ...
+    def version(self) -> str: ...
+
+
+def find_engine(instance: Any, attr: str | None) -> Any:
+    """The `vllm.LLM` a user's actor holds: `attr`, or its only attribute that is one."""
+    from vllm import LLM
+
+    if attr is not None:
+        engine = getattr(instance, attr, None)
+        if not isinstance(engine, LLM):
+            raise DestinationError(f"{type(instance).__name__}.{attr} is not a vllm.LLM")
+        return engine
+    found = [k for k, v in vars(instance).items() if isinstance(v, LLM)]
+    if len(found) != 1:
+        raise DestinationError(
+            f"{type(instance).__name__} holds {len(found)} vllm.LLM attributes ({found}): name one"
+        )
+    return getattr(instance, found[0])
+
+
+def _engine_call(instance: Any, attr: str | None, op: str, args: tuple) -> Any:
+    """Runs inside the user's actor (`__ray_call__`): one control operation on its LLM."""
+    llm = find_engine(instance, attr)
+    if op == "world_size":
+        return int(llm.llm_engine.vllm_config.parallel_config.world_size)
+    if op == "init":
+        return llm.init_weight_transfer_engine({"init_info": args[0]})
+    if op == "start":
+        return llm.start_weight_update()
+    if op == "update":
+        return llm.update_weights({"update_info": args[0]})
+    if op == "finish":
+        return llm.finish_weight_update(weight_version=args[0])
+    if op == "version":
+        return str(llm.get_weight_version())
+    raise DestinationError(f"unknown engine operation {op!r}")
+
+
+class ActorControl:
+    """EngineControl of an offline `vllm.LLM` inside a user's Ray actor (see module doc)."""
+
+    def __init__(self, actor: Any, attr: str | None = None, timeout_s: float = ANSWER_TIMEOUT_S) -> None:
+        self.actor, self.attr, self.timeout_s = actor, attr, timeout_s
+
+    def _call(self, op: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(
+            self.actor.__ray_call__.remote(_engine_call, self.attr, op, args), timeout=self.timeout_s
+        )
+
+    def world_size(self) -> int:
+        return int(self._call("world_size"))
+
+    def init(self, init_info: dict[str, Any]) -> None:
+        self._call("init", init_info)
+
+    def start(self) -> None:
+        self._call("start")
+
+    def update(self, update_info: dict[str, Any]) -> None:
+        self._call("update", update_info)
+
+    def finish(self, version: str | None) -> None:
+        self._call("finish", version)
+
+    def pause(self, mode: str) -> None:
+        pass  # LLM: no step runs between the actor's calls
+
+    def resume(self) -> None:
+        pass
+
+    def version(self) -> str:
+        return str(self._call("version"))
+
+
+class VllmEngineRanks(RankBatcher):
+    """The WeightSync side of one vLLM engine with the weightsync backend (see module doc).
+
+    Wrap with `ray.remote(...).options(name=..., max_concurrency=...)` (see `attach`).
+    """
+
+    def __init__(
+        self, control: EngineControl, *, replica: int = 0, pause: str = "keep", host: str = ""
+    ) -> None:
+        import ray
+
+        if pause not in PAUSE_MODES:
+            raise DestinationError(f"pause mode {pause!r}: expected one of {', '.join(PAUSE_MODES)}")
+        self._control, self._pause_mode = control, pause
+        self._host = host or ray.util.get_node_ip_address()
+        self._store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
+        self._store_lock = threading.Lock()
+        self._prefix = f"ws-{secrets.token_hex(6)}"
+        self._seq = 0
+        self._state = threading.Lock()
+        self._update_open = False
+        self._paused_at: float | None = None
+        self._pauses: list[float] = []
+        ctx = ray.get_runtime_context()
+        world = control.world_size()
+        self._init_batcher(world)
+        control.init(
+            {
+                "store_host": self._host,
+                "store_port": self._store.port,
+                "prefix": self._prefix,
+                "replica": replica,
+                "node": self._host,
+                "actor_name": ctx.get_actor_name() or "",
+                "actor_id": ctx.get_actor_id() or "",
+            }
+        )
+        metas = [value(pickle.loads(self._await(init_key(self._prefix, i)))) for i in range(world)]
+        for i, m in enumerate(metas):
+            if m.coord.replica != replica:
+                raise DiscoveryError(f"worker {i} reports replica {m.coord.replica}, expected {replica}")
+
+    # ---- the WeightSync protocol ------------------------------------------------------------
+
+    def ws_meta(self) -> list[ParticipantMeta]:
+        return [value(r) for r in self._rpc("ws_meta", {i: () for i in range(self._ranks)})]
+
+    def pause_seconds(self) -> list[float]:
+        """Seconds each apply held generation paused, in order (apart from transfer time)."""
+        with self._state:
+            return list(self._pauses)
+
+    def weight_version(self) -> str:
+        return self._control.version()
+
+    def _rpc(self, method: str, per_rank: dict[int, tuple]) -> list[Result]:
+        with self._state:
+            self._seq += 1
+            seq = self._seq
+            if not self._update_open:
+                self._control.start()  # vLLM accepts update_weights only inside an update
+                self._update_open = True
+        with self._store_lock:
+            for i, args in per_rank.items():
+                self._store.set(args_key(self._prefix, seq, i), pickle.dumps(args))
+        if method == "ws_pause":
+            self._pause_engine()
+        self._control.update({"seq": seq, "method": method})
+        results = []
+        for i in range(self._ranks):
+            results.append(pickle.loads(self._await(answer_key(self._prefix, seq, i))))
+        with self._store_lock:
+            for i in range(self._ranks):
+                self._store.delete_key(answer_key(self._prefix, seq, i))
+                self._store.delete_key(args_key(self._prefix, seq, i))
+        return results
+
+    def _after_batch(self, batch: Batch) -> None:
+        if batch.method != "ws_resume":
+            return
+        resumed = len(batch.args) == self._ranks and all(r == ("ok", True) for r in batch.results)
+        if not resumed:
+            return  # a rank does not hold the version: the replica stays paused (commit.py)
+        (version,) = next(iter(batch.args.values()))
+        with self._state:
+            if self._update_open:
+                self._control.finish(str(version))  # vLLM labels outputs with this version
+                self._update_open = False
+            if self._paused_at is not None:
+                self._control.resume()
+                self._pauses.append(time.monotonic() - self._paused_at)
+                self._paused_at = None
+
+    def _pause_engine(self) -> None:
+        with self._state:
+            if self._paused_at is None:
+                self._control.pause(self._pause_mode)
+                self._paused_at = time.monotonic()
+
+    def _await(self, key: str) -> bytes:
+        deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            with self._store_lock:
+                if self._store.check([key]):
+                    return bytes(self._store.get(key))
+            time.sleep(POLL_S)
+        raise DestinationError(f"no answer for {key} within {ANSWER_TIMEOUT_S:g}s")
+
+
+def attach(
+    name: str,
+    namespace: str,
+    control: EngineControl,
+    *,
+    replica: int = 0,
+    pause: str = "keep",
+    ranks: int = 8,
+) -> Any:
+    """A named `VllmEngineRanks` actor for one engine (discovery finds it by name prefix)."""
+    import ray
+
+    return (
+        ray.remote(VllmEngineRanks)
+        .options(name=name, namespace=namespace, num_cpus=0, max_concurrency=4 * ranks + 4)
+        .remote(control, replica=replica, pause=pause)
+    )
