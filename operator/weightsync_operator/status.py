@@ -78,6 +78,10 @@ def summarize(report: SyncReport) -> LastSync:
         finished_at=report.finished_at,
         plan_cached=report.plan_cached,
         failure=failure,
+        encoding=report.encoding,
+        wire_bytes=report.wire_bytes,
+        full_bytes=report.full_bytes,
+        changed_fraction=report.changed_fraction,
     )
 
 

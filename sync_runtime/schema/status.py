@@ -97,6 +97,11 @@ class LastSync(StatusModel):
     finished_at: datetime | None = None
     plan_cached: bool = False
     failure: FailureSummary | None = None
+    encoding: str = "full"
+    """full / delta / mixed (report.SyncReport.encoding)."""
+    wire_bytes: int = 0
+    full_bytes: int = 0
+    changed_fraction: float | None = None
 
 
 class ReplicaStatus(StatusModel):
