@@ -118,11 +118,19 @@ def sync_rank(
             row.update(wire=result.wire_bytes, full=result.send_bytes, changed=result.delta_changed)
             row.update(
                 elements=result.delta_elements,
-                rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                rss_mb=_rss_mb(),
             )
             out.append(row)
     group.close()
     return out
+
+
+def _rss_mb() -> float:
+    """This process's resident memory now (ru_maxrss is useless here: a spawned rank inherits the
+    parent's peak across exec)."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb / 1024
 
 
 def kimi_prediction(ratio: float) -> tuple[float, float, float]:
@@ -211,8 +219,11 @@ def main() -> int:
               f"time {dw[0] / dw[1]:.3f}x of the full sync")  # fmt: skip
         if not same:
             return 1
-    print(f"peak RSS: source {src[-1]['rss_mb']:.0f} MB (kept copy {nbytes / 1e6:.1f} MB), "
-          f"destination {dest[-1]['rss_mb']:.0f} MB")  # fmt: skip
+    src_rss, dst_rss = max(s["rss_mb"] for s in src), max(d["rss_mb"] for d in dest)
+    print(f"resident after a sync, max: source rank {src_rss:.0f} MB (holds {len(versions)} versions and the "
+          f"kept copy, {nbytes / 1e6:.1f} MB each), destination rank {dst_rss:.0f} MB")  # fmt: skip
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"this process (training, fp32 weights and Adam state): peak RSS {peak:.0f} MB")
     ratio = wire_ratio_at(0.03)
     floor, full, predicted = kimi_prediction(ratio)
     print(f"Kimi-K2 256 -> 128 at 3% changed (wire ratio {ratio:.4f}): full sync floor {floor:.3f} s, "

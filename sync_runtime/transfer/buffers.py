@@ -33,7 +33,7 @@ from sync_runtime.core.layouts.base import Box, box_shape
 from sync_runtime.core.plan import Bucket, Transfer
 from sync_runtime.transfer.checksum import checksum_bytes, checksum_tensor, raw_bytes
 from sync_runtime.transfer.delta import max_message_bytes
-from sync_runtime.transfer.delta_wire import DeltaIO
+from sync_runtime.transfer.delta_wire import DeltaIO, delta_direct_min
 
 ALIGN = 16
 TensorLookup = Callable[[str], torch.Tensor]
@@ -124,10 +124,10 @@ def pack_bucket(
     staging); None: the tensors' own dtypes. `delta`: the sync's delta-format transfers
     (delta_wire.py); the checksum is then still the full new region's.
     """
-    layout = message_layout(bucket, direct_min_bytes)
+    in_delta = delta is not None and delta.applies(bucket.dst_rank)
+    layout = message_layout(bucket, delta_direct_min(direct_min_bytes) if in_delta else direct_min_bytes)
     out = Outgoing([], [])
     sums = [0] * len(bucket.transfers)
-    in_delta = delta is not None and delta.applies(bucket.dst_rank)
     for i in layout.direct:
         t = bucket.transfers[i]
         region = source(t.src_name)[box_slices(t.src_box)]
@@ -193,10 +193,10 @@ def receive_bucket(
 ) -> Incoming:
     """Receive buffers for a bucket: staging views where the staged region is contiguous and
     holds the wire dtype (`wire`: per transfer; None: every staged tensor holds it)."""
-    layout = message_layout(bucket, direct_min_bytes)
+    in_delta = delta is not None and delta.applies(bucket.dst_rank)
+    layout = message_layout(bucket, delta_direct_min(direct_min_bytes) if in_delta else direct_min_bytes)
     inc = Incoming(bucket, layout, [], [], [], [None] * len(bucket.transfers))
-    if delta is not None and delta.applies(bucket.dst_rank):
-        inc.delta = delta
+    inc.delta = delta if in_delta else None
     if wire is not None:
         for t in bucket.transfers:
             dtype = wire(t)

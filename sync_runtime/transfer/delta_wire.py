@@ -2,11 +2,12 @@
 transfers of a sync (encoding: delta.py).
 
 Which transfers travel in the delta format: every direct transfer (one of at least
-`direct_min_bytes`, its own message) to a destination rank listed in `TransferConfig.delta_base`
-(rank -> the version every rank of its replica holds, as the replicas themselves report it after
-recovery; the coordinator lists only such replicas). Packed small transfers and the checksum
-header always travel whole. Every rank of the sync gets the same list, and the group agrees on
-it together with the plan digest, so both ends derive the same message layout.
+`delta_direct_min(direct_min_bytes)`, its own message) to a destination rank listed in
+`TransferConfig.delta_base` (rank -> the version every rank of its replica holds, as the
+replicas themselves report it after recovery; the coordinator lists only such replicas).
+Packed small transfers and the checksum header always travel whole. Every rank of the sync gets
+the same list, and the group agrees on it together with the plan digest, so both ends derive the
+same message layout.
 
 A message in the delta format is self-describing (delta.py): the receiver posts a buffer of the
 dense message's size (`max_message_bytes`, the transfer plus a 40-byte header: the same bound
@@ -42,6 +43,16 @@ from sync_runtime.transfer.config import RankResult
 
 FORMAT = "delta1"
 """Version of the delta wire format; part of what the group agrees on."""
+DELTA_DIRECT_MIN_BYTES = 16 * 1024
+"""In a bucket to a delta rank, transfers from this size on travel as their own (delta) message:
+a packed transfer travels whole, and regions of a few hundred KiB (a head group's rows of a QKV
+weight) would otherwise send most of a model's bytes in full. Below it a 40-byte header and a
+message's latency outweigh what a delta saves."""
+
+
+def delta_direct_min(direct_min_bytes: int) -> int:
+    """The direct-message threshold of a bucket to a delta rank (both ends derive it)."""
+    return min(direct_min_bytes, DELTA_DIRECT_MIN_BYTES)
 
 
 def _slices(box: Box) -> tuple[slice, ...]:
