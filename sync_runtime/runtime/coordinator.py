@@ -27,7 +27,6 @@ from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import Role
 from sync_runtime.errors import (
-    ChecksumMismatch,
     ConnectError,
     InternalError,
     PlanError,
@@ -49,7 +48,7 @@ from sync_runtime.runtime.commit import (
     settle,
     two_phase_commit,
 )
-from sync_runtime.runtime.delta_base import delta_bases, summary
+from sync_runtime.runtime.delta_base import DeltaSync, delta_bases, summary
 from sync_runtime.runtime.discovery import DiscoveredSide, discover_all
 from sync_runtime.runtime.drive import backend_for, drive_transfer
 from sync_runtime.runtime.session import Session
@@ -85,10 +84,7 @@ class _Attempt:
     replicas: list[ReplicaVersion] = dataclasses.field(default_factory=list)
     recovered: list[str] = dataclasses.field(default_factory=list)
     dests: list[Dest] = dataclasses.field(default_factory=list)
-    delta_base: dict[int, str] = dataclasses.field(default_factory=dict)
-    delta: dict = dataclasses.field(default_factory=dict)
-    """The report's encoding, wire_bytes, full_bytes, changed_fraction (delta_base.summary)."""
-    delta_retried: bool = False
+    delta: DeltaSync = dataclasses.field(default_factory=DeltaSync)
 
 
 class Coordinator:
@@ -182,7 +178,10 @@ class Coordinator:
         t = time.monotonic()
         self._connect(session)
         att.stages.connect = time.monotonic() - t
-        results = self._transfer_or_full(session, att)
+        backend = backend_for(session.participants, self.spec.transport)
+        att.delta.base = delta_bases(self.spec, att.dests, att.replicas, backend, session.plan.relay)
+        reconnect = lambda: self._invalidate_group() or self._connect(session)  # noqa: E731 (both run)
+        results = att.delta.transfer(lambda: self._transfer(session, att), reconnect)
         self._verify(session, att, results)
         self._emit(att, SyncStep.COMMIT)
         t = time.monotonic()
@@ -263,23 +262,6 @@ class Coordinator:
         )
         session.joined = True
 
-    def _transfer_or_full(self, session: Session, att: _Attempt) -> list:
-        """Deltas where a replica's ranks all hold the base (delta_base.py); should a rebuilt
-        region fail its checksum (live bytes that are not the reported version), the same
-        version again at once, in full, on a fresh group."""
-        backend = backend_for(session.participants, self.spec.transport)
-        att.delta_base = delta_bases(self.spec, att.dests, att.replicas, backend, session.plan.relay)
-        try:
-            return self._transfer(session, att)
-        except ChecksumMismatch as e:
-            if not att.delta_base:
-                raise
-            log.warning("delta sync of %s failed a checksum, redone in full: %s", att.version, e)
-            att.delta_base, att.delta_retried = {}, True
-            self._invalidate_group()
-            self._connect(session)
-            return self._transfer(session, att)
-
     def _transfer(self, session: Session, att: _Attempt) -> list:
         self._emit(att, SyncStep.TRANSFER)
         t = time.monotonic()
@@ -287,7 +269,7 @@ class Coordinator:
         session.txn = begin_txn(att.dests, staging, self._rpc_timeout())
         out = drive_transfer(
             session, self.spec.transport, att.version, self._store, self._progress_sink(att), session.txn,
-            staging, att.delta_base,
+            staging, att.delta.base,
         )  # fmt: skip
         att.stages.transfer = time.monotonic() - t
         if out.failure is not None:
@@ -295,19 +277,11 @@ class Coordinator:
             raise WeightSyncError.from_failure(out.failure)
         results = out.results
         session.plans_sent = True
-        for rank, r in enumerate(results):
-            p = session.participants[rank]
-            att.ranks.append(
-                RankBytes(
-                    rank=rank,
-                    role=p.meta.role.value,
-                    name=p.name,
-                    send_bytes=r.send_bytes,
-                    recv_bytes=r.recv_bytes,
-                )
-            )
+        for rank, (r, p) in enumerate(zip(results, session.participants, strict=True)):
+            row = {"send_bytes": r.send_bytes, "recv_bytes": r.recv_bytes}
+            att.ranks.append(RankBytes(rank=rank, role=p.meta.role.value, name=p.name, **row))
         att.moved_bytes = sum(r.recv_bytes for r in results)
-        att.delta = summary(results, att.dests, att.delta_base)
+        att.delta.report = summary(results, att.dests, att.delta.base)
         return results
 
     def _verify(self, session: Session, att: _Attempt, results: list) -> None:
@@ -414,8 +388,7 @@ class Coordinator:
             relay=plan.relay if plan else False,
             replicas=att.replicas,
             recovered=att.recovered,
-            delta_retried=att.delta_retried,
-            **att.delta,
+            **att.delta.fields(),
         )
 
 

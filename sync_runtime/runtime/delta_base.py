@@ -17,12 +17,44 @@ the same run (`Coordinator._sync`), and reports `deltaRetried`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
+from sync_runtime.errors import ChecksumMismatch
 from sync_runtime.runtime.commit import Dest, replicas_of
 from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import ReplicaState, ReplicaVersion
 from sync_runtime.transfer import RankResult
+
+log = logging.getLogger("weightsync.coordinator")
+
+
+@dataclass(slots=True)
+class DeltaSync:
+    """One sync's delta bookkeeping in the coordinator."""
+
+    base: dict[int, str] = field(default_factory=dict)
+    """Destination rank -> base version, for the ranks that take deltas (`delta_bases`)."""
+    report: dict = field(default_factory=dict)
+    """The report's encoding, wire_bytes, full_bytes, changed_fraction (`summary`)."""
+    retried: bool = False
+
+    def transfer(self, run: Callable[[], list], reconnect: Callable[[], None]) -> list:
+        """`run` the transfer; should a rebuilt region fail its checksum (live bytes that are not
+        the reported version), run it again at once, in full, after `reconnect` (a fresh group)."""
+        try:
+            return run()
+        except ChecksumMismatch as e:
+            if not self.base:
+                raise
+            log.warning("a delta sync failed a checksum, redone in full: %s", e)
+            self.base, self.retried = {}, True
+            reconnect()
+            return run()
+
+    def fields(self) -> dict:
+        return {**self.report, "delta_retried": self.retried}
 
 
 def delta_bases(

@@ -53,7 +53,7 @@ from sync_runtime.transfer import (
     snapshot,
 )
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
-from sync_runtime.transfer.delta_wire import KeptBits
+from sync_runtime.transfer.delta_wire import KeptBits, kept_after
 
 log = logging.getLogger("weightsync.participant")
 
@@ -76,9 +76,7 @@ class ParticipantMeta:
     group_name: str | None
     group_healthy: bool
     model_config: dict[str, Any] | None = field(default=None, compare=False)
-    live_base: bool = field(default=False, compare=False)
-    """A destination whose live tensors hold its committed bytes in host-readable memory, the base
-    a delta is rebuilt from (DestinationWeights); others take every sync in full."""
+    live_base: bool = field(default=False, compare=False)  # live bytes a delta rebuilds from
 
 
 @dataclass(slots=True)
@@ -102,8 +100,7 @@ class _State:
     store_addr: tuple[str, int, float] | None = None
     lock: threading.RLock = field(default_factory=threading.RLock)
     """Serving switch and commit are atomic for an observer (a threaded actor's other calls)."""
-    kept: KeptBits | None = None
-    """Source: the bits it sent in its last successful sync (delta syncs; host memory = shard)."""
+    kept: KeptBits | None = None  # a source's bits of its last successful sync (delta_wire.py)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -293,21 +290,12 @@ class WeightSyncParticipant(ServingControl):
                 self._ws_begin(version, config, txn)
             else:
                 sources = snapshot(st.tensors, rank) if config.snapshot else st.tensors
-            if not config.keep_sent:
-                st.kept = None  # delta off: free the copy
+            kept = st.kept if config.keep_sent else None
             result = run_rank_plan(
-                st.group,
-                rank_plan,
-                sources=sources,
-                destination=st.destination,
-                config=config,
-                on_progress=self._ws_progress,
-                hooks=self._ws_hooks,
-                kept=st.kept,
-            )
-            if result.ok and sources is not None and config.keep_sent:
-                st.kept = st.kept or KeptBits()
-                st.kept.record(sources, version)  # exactly what was sent: the fence held
+                st.group, rank_plan, sources=sources, destination=st.destination, config=config,
+                on_progress=self._ws_progress, hooks=self._ws_hooks, kept=kept,
+            )  # fmt: skip
+            st.kept = kept_after(st.kept, config.keep_sent, result.ok, sources, version)
             if result.ok and st.destination is not None and st.txn is not None and st.record is not None:
                 participant_txn.prepare(st.destination, st.record, st.txn, rank)
             return result

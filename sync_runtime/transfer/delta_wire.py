@@ -172,3 +172,22 @@ def account(result: RankResult, io: DeltaIO | None) -> RankResult:
         result.delta_transfers, result.dense_transfers = st.delta_transfers, st.transfers - st.delta_transfers
         result.delta_elements, result.delta_changed = st.elements, st.changed
     return result
+
+
+def kept_after(
+    kept: KeptBits | None, keep: bool, ok: bool, sources: Mapping[str, torch.Tensor] | None, version: str
+) -> KeptBits | None:
+    """A source's kept copy after a sync: none when it keeps none (delta off: freed); the bits it
+    sent after a sync every rank finished (the fence held: they are what went out)."""
+    if not keep:
+        return None
+    if ok and sources is not None:
+        kept = kept or KeptBits()
+        kept.record(sources, version)
+    return kept
+
+
+def delta_io(base: tuple[tuple[int, str], ...], kept: KeptBits | None, destination: object) -> DeltaIO | None:
+    """A rank's DeltaIO for a sync with these delta bases (None: a full sync)."""
+    live = getattr(destination, "tensors", None)
+    return DeltaIO(dict(base), kept, live) if base else None

@@ -36,16 +36,9 @@ from sync_runtime.errors import (
     WeightSyncError,
     describe_unexpected,
 )
-from sync_runtime.transfer.buffers import (
-    Incoming,
-    Outgoing,
-    bad_transfers,
-    land,
-    pack_bucket,
-    receive_bucket,
-)
+from sync_runtime.transfer.buffers import Incoming, Outgoing, bad_transfers, land, pack_bucket, receive_bucket
 from sync_runtime.transfer.config import RankResult, TransferConfig
-from sync_runtime.transfer.delta_wire import DeltaIO, KeptBits, account, agreed
+from sync_runtime.transfer.delta_wire import DeltaIO, KeptBits, account, agreed, delta_io
 from sync_runtime.transfer.dtypes import WireDtypes
 from sync_runtime.transfer.fence import check_fence, fingerprint
 from sync_runtime.transfer.group import SyncGroup, peer_failed
@@ -361,13 +354,14 @@ def run_rank_plan(
     """
     start = time.perf_counter()
     sync_id = group.begin_sync()
-    base_for = dict(config.delta_base)
-    delta = DeltaIO(base_for, kept, destination.tensors if destination else None) if base_for else None
+    delta = delta_io(config.delta_base, kept, destination)
     ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress, hooks, delta)
     try:
         fence = fingerprint(sources) if sources is not None else None
         preflight(group, plan, sources, destination, config)
-        group.agree_digest(sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}|{agreed(base_for)}")
+        group.agree_digest(
+            sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}|{agreed(dict(config.delta_base))}"
+        )
         ex.run()
         if fence is not None:  # before `finish`: every rank then fails with this as the cause
             check_fence(fence, sources, plan.rank)  # type: ignore[arg-type]
