@@ -29,7 +29,10 @@ def base_and_new(draw: st.DrawFn) -> tuple[np.ndarray, np.ndarray, int]:
     changed = rng.random(elements) < fraction
     words = new.view(delta._UINT[itemsize])
     flips = rng.integers(1, 256, int(changed.sum()), dtype=np.uint8).astype(words.dtype)
-    words[changed] ^= flips << (8 * (itemsize - 1))  # top byte: sign and exponent bits
+    # Low byte (a few ulps: XOR8 values) or top byte (sign and exponent: whole values), mixed.
+    top = rng.random(flips.size) < draw(st.sampled_from([0.0, 0.01, 0.5, 1.0]))
+    shifts = np.where(top, 8 * (itemsize - 1), 0).astype(words.dtype)
+    words[changed] ^= flips << shifts
     return base, new, itemsize
 
 
@@ -103,9 +106,13 @@ def test_codec_is_the_smallest() -> None:
     sparse = base.copy()
     sparse.view(np.uint16)[::1000] = 1
     enc = _roundtrip(base, sparse, 2)
-    assert (
-        enc.message[5] == delta.VARINT and enc.nbytes == delta.HEADER_BYTES + 66 * 2 + 66 * 2
-    )  # 2-byte gaps, 2-byte values
+    assert (enc.message[5], enc.message[7]) == (delta.VARINT, delta.XOR8)
+    # 2-byte gaps, then one low byte per change and an empty list of wide changes
+    assert enc.nbytes == delta.HEADER_BYTES + 66 * 2 + 66 + 16
+    wide = sparse.copy()
+    wide.view(np.uint16)[::1000] = 0x8000  # sign bits: every change is wide, whole values win
+    enc = _roundtrip(base, wide, 2)
+    assert enc.message[7] == delta.PLAIN and enc.nbytes == delta.HEADER_BYTES + 66 * 2 + 66 * 2
     rng = np.random.default_rng(1)
     small = np.zeros(2 * 8192, dtype=np.uint8)  # a 1 KiB bitmap: below zlib's threshold
     dense_ish = small.copy()

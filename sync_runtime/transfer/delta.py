@@ -10,8 +10,11 @@ its size (`max_message_bytes`) to post its receive:
 - a 40-byte header: magic, kind (dense or delta), position codec, element size, then the
   element count, the changed count, the position bytes and the message's total length;
 - dense: the new bytes, whole (what a delta falls back to when it would not be smaller);
-- delta: the changed positions (codec below), padded to the element size, then the new values
-  of the changed elements in position order.
+- delta: the changed positions (codec below), padded to the element size, then the values of
+  the changed elements in position order: PLAIN, the new values; or XOR8, when smaller: one byte
+  per changed element, the low byte of old XOR new (a step of a few ulps changes only the low
+  mantissa bits), then the elements whose change reaches higher bits (their index among the
+  changed as varint gaps, then their new values whole).
 Position codecs, the smallest one wins: gaps between consecutive positions as LEB128 varints
 (few changes), a bitmap of one bit per element (many changes), or either one through zlib when
 that is smaller still (clustered changes compress well).
@@ -26,10 +29,12 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = 0x444C5441  # "DLTA"
-HEADER = struct.Struct("<IBBBxQQQ")  # magic, kind, codec, itemsize, pad, elements, changed, pos_nbytes
+HEADER = struct.Struct("<IBBBBQQQ")  # magic, kind, codec, itemsize, values, elements, changed, pos_nbytes
 HEADER_BYTES = HEADER.size + 8  # 40: HEADER, then the total length
 DENSE, DELTA = 0, 1
 VARINT, BITMAP, ZLIB_VARINT, ZLIB_BITMAP = 0, 1, 2, 3
+PLAIN, XOR8 = 0, 1
+_WIDE = struct.Struct("<QQ")  # XOR8: elements whose change reaches past the low byte, their gap bytes
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
@@ -123,6 +128,24 @@ def _position_candidates(positions: np.ndarray, elements: int) -> list[tuple[int
     return [best]
 
 
+def _value_candidates(
+    b: np.ndarray, n: np.ndarray, positions: np.ndarray, itemsize: int
+) -> tuple[int, bytes]:
+    """The changed elements' values, PLAIN or XOR8, whichever is smaller (integer ops only)."""
+    new_values = n[positions]
+    plain = new_values.tobytes()
+    if itemsize == 1:
+        return PLAIN, plain
+    flips = b[positions] ^ new_values
+    wide = np.flatnonzero(flips >> np.array(8, dtype=flips.dtype))
+    gaps = encode_varints(np.diff(wide, prepend=-1).astype(np.uint64) - np.uint64(1)).tobytes()
+    size = positions.size + _WIDE.size + len(gaps) + wide.size * itemsize
+    if size >= len(plain):
+        return PLAIN, plain
+    head = _WIDE.pack(wide.size, len(gaps))
+    return XOR8, flips.astype(np.uint8).tobytes() + head + gaps + new_values[wide].tobytes()
+
+
 def encode(base: np.ndarray, new: np.ndarray, itemsize: int) -> Encoded:
     """Encode `new` against `base` (flat uint8 arrays of equal size): a delta, or dense when the
     delta would not be smaller than the dense message."""
@@ -133,14 +156,15 @@ def encode(base: np.ndarray, new: np.ndarray, itemsize: int) -> Encoded:
     elements, changed = n.size, positions.size
     if changed and changed * itemsize < new.size:
         ((codec, pos),) = _position_candidates(positions, elements)
+        vcodec, values = _value_candidates(b, n, positions, itemsize)
         pad = -len(pos) % itemsize
-        total = HEADER_BYTES + len(pos) + pad + changed * itemsize
+        total = HEADER_BYTES + len(pos) + pad + len(values)
         if total < max_message_bytes(new.size):
             msg = np.empty(total, dtype=np.uint8)
-            _header(msg, DELTA, codec, itemsize, elements, changed, len(pos))
+            _header(msg, DELTA, codec, itemsize, elements, changed, len(pos), vcodec)
             msg[HEADER_BYTES : HEADER_BYTES + len(pos)] = np.frombuffer(pos, dtype=np.uint8)
             msg[HEADER_BYTES + len(pos) : HEADER_BYTES + len(pos) + pad] = 0
-            msg[HEADER_BYTES + len(pos) + pad :].view(_UINT[itemsize])[:] = n[positions]
+            msg[HEADER_BYTES + len(pos) + pad :] = np.frombuffer(values, dtype=np.uint8)
             return Encoded(msg, DELTA, elements, changed)
     if changed == 0:  # nothing changed: a delta of no positions, a header alone
         msg = np.empty(HEADER_BYTES, dtype=np.uint8)
@@ -164,9 +188,16 @@ def word_size(element_size: int) -> int:
 
 
 def _header(
-    msg: np.ndarray, kind: int, codec: int, itemsize: int, elements: int, changed: int, pos: int
+    msg: np.ndarray,
+    kind: int,
+    codec: int,
+    itemsize: int,
+    elements: int,
+    changed: int,
+    pos: int,
+    vcodec: int = 0,
 ) -> None:
-    HEADER.pack_into(msg.data, 0, MAGIC, kind, codec, itemsize, elements, changed, pos)  # type: ignore[arg-type]
+    HEADER.pack_into(msg.data, 0, MAGIC, kind, codec, itemsize, vcodec, elements, changed, pos)  # type: ignore[arg-type]
     struct.pack_into("<Q", msg.data, HEADER.size, msg.size)  # type: ignore[arg-type]
 
 
@@ -187,7 +218,7 @@ def decode(message: np.ndarray, base: np.ndarray, out: np.ndarray) -> int:
     """Write the new bytes into `out` (flat uint8, base's size; may be `base` itself); the number
     of changed elements. Raises DeltaFormatError for a message that does not fit `base`."""
     length = message_length(message)
-    _magic, kind, codec, itemsize, elements, changed, pos_nbytes = HEADER.unpack_from(message.data, 0)  # type: ignore[arg-type]
+    _magic, kind, codec, itemsize, vcodec, elements, changed, pos_nbytes = HEADER.unpack_from(message.data, 0)  # type: ignore[arg-type]
     if itemsize not in _UINT or elements * itemsize != base.size or out.size != base.size:
         raise DeltaFormatError(f"message for {elements} x {itemsize} bytes, base holds {base.size}")
     body = message[HEADER_BYTES:length]
@@ -199,14 +230,42 @@ def decode(message: np.ndarray, base: np.ndarray, out: np.ndarray) -> int:
     if kind != DELTA or changed > elements:
         raise DeltaFormatError(f"bad delta header (kind {kind}, {changed} of {elements} changed)")
     pad = -pos_nbytes % itemsize
-    if body.size != pos_nbytes + pad + changed * itemsize:
+    if body.size < pos_nbytes + pad:
         raise DeltaFormatError(f"delta body of {body.size} bytes does not match its header")
     positions = _positions(body[:pos_nbytes].tobytes(), codec, changed, elements)
+    values = _values(body[pos_nbytes + pad :], vcodec, changed, itemsize)
+    words = out.view(_UINT[itemsize])
+    if vcodec == XOR8:
+        flips, wide, wide_values = values
+        new_values = base.view(_UINT[itemsize])[positions] ^ flips.astype(words.dtype)
+        new_values[wide] = wide_values
+    else:
+        new_values = values[0]
     if out is not base:
         out[:] = base
-    values = body[pos_nbytes + pad :].view(_UINT[itemsize])
-    out.view(_UINT[itemsize])[positions] = values
+    words[positions] = new_values
     return int(changed)
+
+
+def _values(raw: np.ndarray, vcodec: int, changed: int, itemsize: int) -> tuple[np.ndarray, ...]:
+    """PLAIN: (new values,); XOR8: (low-byte flips, wide indices, wide new values)."""
+    dtype = _UINT[itemsize]
+    if vcodec == PLAIN:
+        if raw.size != changed * itemsize:
+            raise DeltaFormatError(f"{raw.size} value bytes for {changed} changed elements")
+        return (np.frombuffer(raw.tobytes(), dtype=dtype),)
+    if vcodec != XOR8 or itemsize == 1 or raw.size < changed + _WIDE.size:
+        raise DeltaFormatError(f"bad value section (codec {vcodec}, {raw.size} bytes)")
+    flips = raw[:changed]
+    n_wide, gap_bytes = _WIDE.unpack(raw[changed : changed + _WIDE.size].tobytes())
+    at = changed + _WIDE.size
+    if n_wide > changed or raw.size != at + gap_bytes + n_wide * itemsize:
+        raise DeltaFormatError(f"bad XOR8 section ({n_wide} wide of {changed}, {raw.size} bytes)")
+    gaps = decode_varints(raw[at : at + gap_bytes], n_wide)
+    wide = (np.cumsum(gaps + np.uint64(1)) - np.uint64(1)).astype(np.int64)
+    if n_wide and wide[-1] >= changed:
+        raise DeltaFormatError("XOR8 wide index out of range")
+    return flips, wide, np.frombuffer(raw[at + gap_bytes :].tobytes(), dtype=dtype)
 
 
 def _positions(raw: bytes, codec: int, changed: int, elements: int) -> np.ndarray:
