@@ -8,8 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sync_runtime.core.plan import Transfer
 from sync_runtime.transfer import delta
 from sync_runtime.transfer.checksum import checksum_bytes
+from sync_runtime.transfer.delta_wire import DeltaIO, KeptBits
 
 pytestmark = pytest.mark.unit
 
@@ -156,3 +158,26 @@ def test_malformed_messages_are_refused() -> None:
         delta.decode(bad, base, out)
     with pytest.raises(delta.DeltaFormatError, match="shorter"):
         delta.decode(enc.message[:10], base, out)
+
+
+def test_a_kept_copy_of_another_shape_or_version_is_no_base() -> None:
+    """The source sends dense messages unless its kept copy is of the receiver's base version and
+    of the tensor's current shape and dtype (a layout change keeps names, not shapes)."""
+    old = torch.arange(64, dtype=torch.int16).view(torch.bfloat16).reshape(8, 8)
+    new = old.clone()
+    new.view(torch.int16)[0, 0] ^= 1
+    box = ((0, 8), (0, 8))
+    t = Transfer(
+        src_rank=0, dst_rank=1, tensor="w", src_name="w", src_box=box, dst_name="w", dst_box=box, nbytes=128
+    )
+    kinds = []
+    for kept_tensor, version in [(old, "v1"), (old, "v0"), (old.reshape(4, 16), "v1"), (old.float(), "v1")]:
+        kept = KeptBits()
+        kept.record({"w": kept_tensor}, version)
+        io = DeltaIO({1: "v1"}, kept)
+        message = io.encode(t, 1, new.reshape(-1).view(torch.uint8), new)
+        kinds.append(int(message[4]))
+        out = np.empty(128, dtype=np.uint8)
+        delta.decode(message.numpy(), old.reshape(-1).view(torch.uint8).numpy(), out)
+        assert out.tobytes() == new.reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert kinds == [delta.DELTA, delta.DENSE, delta.DENSE, delta.DENSE]

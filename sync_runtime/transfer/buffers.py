@@ -134,7 +134,7 @@ def pack_bucket(
         if in_delta:
             new = raw_bytes(region)
             sums[i] = checksum_bytes(new)
-            out.messages.append(delta.encode(t, bucket.dst_rank, new, region.element_size()))  # type: ignore[union-attr]
+            out.messages.append(delta.encode(t, bucket.dst_rank, new, source(t.src_name)))  # type: ignore[union-attr]
             out.pooled.append(False)
             continue
         dtype = region.dtype if wire is None else wire(t)

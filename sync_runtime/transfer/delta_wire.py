@@ -129,12 +129,16 @@ class DeltaIO:
     def applies(self, dst_rank: int) -> bool:
         return dst_rank in self.base_for
 
-    def encode(self, t: Transfer, dst_rank: int, new: torch.Tensor, element_size: int) -> torch.Tensor:
-        """The message for transfer `t` whose new bytes are `new` (flat uint8)."""
-        word = delta.word_size(element_size)
+    def encode(self, t: Transfer, dst_rank: int, new: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """The message for transfer `t` of tensor `source` whose new bytes are `new` (flat uint8).
+        Dense unless the kept copy is of the receiver's base and of the same shape and dtype (a
+        source whose layout changed keeps tensors of the same names in other shapes)."""
+        word = delta.word_size(source.element_size())
         new_np = new.cpu().numpy()
         kept = self.kept
         base = kept.base(t.src_name) if kept is not None and kept.version == self.base_for[dst_rank] else None
+        if base is not None and (base.shape != source.shape or base.dtype != source.dtype):
+            base = None
         if base is not None:
             enc = delta.encode(raw_bytes(base[_slices(t.src_box)]).numpy(), new_np, word)
             self.stats.elements += enc.elements
