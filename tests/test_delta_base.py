@@ -54,11 +54,12 @@ def _replica(replica: int, versions: list[str | None]) -> ReplicaVersion:
     )  # fmt: skip
 
 
+KEPT = ["v1"]  # the one source rank keeps the bits of v1
 SERVING_V1 = [_replica(0, ["v1", "v1"]), _replica(1, ["v1", "v1"])]
 
 
 def test_every_rank_of_a_replica_on_the_base_takes_deltas() -> None:
-    assert delta_bases(_spec(), _dests(), SERVING_V1, "gloo", relay=False) == {
+    assert delta_bases(_spec(), _dests(), SERVING_V1, "gloo", relay=False, kept=KEPT) == {
         1: "v1",
         2: "v1",
         3: "v1",
@@ -68,9 +69,9 @@ def test_every_rank_of_a_replica_on_the_base_takes_deltas() -> None:
 
 def test_a_replica_whose_ranks_disagree_takes_the_sync_in_full() -> None:
     replicas = [_replica(0, ["v1", "v1"]), _replica(1, ["v1", "v0"])]
-    assert delta_bases(_spec(), _dests(), replicas, "gloo", relay=False) == {1: "v1", 2: "v1"}
+    assert delta_bases(_spec(), _dests(), replicas, "gloo", relay=False, kept=KEPT) == {1: "v1", 2: "v1"}
     replicas = [_replica(0, ["v0", "v0"]), _replica(1, ["v1", None])]  # a rank did not answer
-    assert delta_bases(_spec(), _dests(), replicas, "gloo", relay=False) == {1: "v0", 2: "v0"}
+    assert delta_bases(_spec(), _dests(), replicas, "gloo", relay=False, kept=["v0"]) == {1: "v0", 2: "v0"}
 
 
 @pytest.mark.parametrize(
@@ -85,7 +86,15 @@ def test_a_replica_whose_ranks_disagree_takes_the_sync_in_full() -> None:
     ids=["off", "nccl", "relay", "inplace", "no-live-base"],
 )
 def test_full_syncs_where_a_delta_cannot_be_rebuilt(spec, backend: str, relay: bool, live_base: bool) -> None:
-    assert delta_bases(spec, _dests(live_base), SERVING_V1, backend, relay) == {}
+    assert delta_bases(spec, _dests(live_base), SERVING_V1, backend, relay, KEPT) == {}
+
+
+def test_deltas_only_against_the_version_every_source_rank_keeps() -> None:
+    """No kept copy (a restarted source, the first sync), copies of different versions, or one of
+    another version than the replicas hold: the sync goes in full (zero-copy, no delta format)."""
+    for kept in ([None], ["v1", None], ["v1", "v0"], ["v0"]):
+        assert delta_bases(_spec(), _dests(), SERVING_V1, "gloo", relay=False, kept=kept) == {}, kept
+    assert delta_bases(_spec(), _dests(), SERVING_V1, "gloo", relay=False, kept=["v1", "v1"]) != {}
 
 
 def test_a_rank_that_casts_on_receipt_keeps_its_replica_in_full() -> None:
@@ -93,7 +102,7 @@ def test_a_rank_that_casts_on_receipt_keeps_its_replica_in_full() -> None:
     dests[3] = dataclasses.replace(
         dests[3], p=dataclasses.replace(dests[3].p, wire_dtypes=(("w", "bfloat16"),))
     )
-    assert delta_bases(_spec(), dests, SERVING_V1, "gloo", relay=False) == {1: "v1", 2: "v1"}
+    assert delta_bases(_spec(), dests, SERVING_V1, "gloo", relay=False, kept=KEPT) == {1: "v1", 2: "v1"}
 
 
 def _result(

@@ -179,7 +179,8 @@ class Coordinator:
         self._connect(session)
         att.stages.connect = time.monotonic() - t
         backend = backend_for(session.participants, self.spec.transport)
-        att.delta.base = delta_bases(self.spec, att.dests, att.replicas, backend, session.plan.relay)
+        kept = [p.meta.kept_version for p in session.participants if p.meta.role is Role.SOURCE]
+        att.delta.base = delta_bases(self.spec, att.dests, att.replicas, backend, session.plan.relay, kept)
         reconnect = lambda: self._invalidate_group() or self._connect(session)  # noqa: E731 (both run)
         results = att.delta.transfer(lambda: self._transfer(session, att), reconnect)
         self._verify(session, att, results)

@@ -2,7 +2,8 @@
 
 A replica takes deltas only when every one of its ranks reports, after the recovery that starts
 each sync (commit.recover -> settle: each rank's own committed version, rolled forward or back
-per the commit record), the same committed version and serves it: that version is the base.
+per the commit record), the same committed version and serves it, and every source rank reports
+a kept copy of that very version (`ParticipantMeta.kept_version`): that version is the base.
 Every other replica takes the same sync in full. Also in full: spec.transport.delta=off, the
 NCCL backend (its receives need the exact message size), a relayed plan (a relay forwards what
 it staged and keeps no base), `inplace` staging (staging is the live base itself), a rank
@@ -58,15 +59,24 @@ class DeltaSync:
 
 
 def delta_bases(
-    spec: WeightSyncSpec, dests: Sequence[Dest], replicas: Sequence[ReplicaVersion], backend: str, relay: bool
+    spec: WeightSyncSpec,
+    dests: Sequence[Dest],
+    replicas: Sequence[ReplicaVersion],
+    backend: str,
+    relay: bool,
+    kept: Sequence[str | None],
 ) -> dict[int, str]:
-    """Destination rank -> base version, for the ranks of every replica that takes deltas."""
-    if spec.transport.delta == "off" or backend != "gloo" or relay:
+    """Destination rank -> base version, for the ranks of every replica that takes deltas.
+    `kept`: the version each source rank keeps a copy of (ParticipantMeta.kept_version): a base
+    must be that of every source rank, else (a restarted source, the first sync) all go in full."""
+    if spec.transport.delta == "off" or backend != "gloo" or relay or len(set(kept)) != 1:
         return {}
     held = {
         (r.deployment, r.replica): r.version
         for r in replicas
-        if r.state is ReplicaState.SERVING and r.version and all(v == r.version for v in r.rank_versions)
+        if r.state is ReplicaState.SERVING
+        and r.version == kept[0]
+        and all(v == r.version for v in r.rank_versions)
     }
     out: dict[int, str] = {}
     for (deployment, replica), members in replicas_of(dests).items():

@@ -77,6 +77,7 @@ class ParticipantMeta:
     group_healthy: bool
     model_config: dict[str, Any] | None = field(default=None, compare=False)
     live_base: bool = field(default=False, compare=False)  # live bytes a delta rebuilds from
+    kept_version: str | None = field(default=None, compare=False)  # a source's kept copy's version
 
 
 @dataclass(slots=True)
@@ -193,6 +194,7 @@ class WeightSyncParticipant(ServingControl):
             group_healthy=healthy,
             model_config=st.model_config,
             live_base=isinstance(st.destination, DestinationWeights),
+            kept_version=st.kept.version if st.kept is not None else None,
         )
 
     def _ws_live(self) -> dict[str, torch.Tensor]:
