@@ -1,0 +1,65 @@
+"""The hand-written manifests equal transformers' own model class, read on the meta device."""
+
+from __future__ import annotations
+
+import pytest
+
+from sync_runtime.core.models import available_presets, build_manifest, load_model_config
+from sync_runtime.engines.hf_meta import UNFUSE, MetaManifest, meta_manifest, unfuse
+from sync_runtime.errors import ModelConfigError
+
+pytestmark = pytest.mark.unit
+
+# Router biases are buffers in transformers (not counted as parameters) but checkpoint tensors.
+_BUFFER_SUFFIXES = ("e_score_correction_bias",)
+
+
+def _shapes(meta: MetaManifest) -> dict[str, tuple[int, ...]]:
+    return {name: shape for name, shape, _ in meta.tensors}
+
+
+@pytest.mark.parametrize("preset", available_presets())
+def test_preset_manifest_equals_transformers(preset: str) -> None:
+    config = load_model_config(preset)
+    manifest = build_manifest(config)
+    meta = meta_manifest(config)
+    assert {t.name: t.shape for t in manifest.tensors} == _shapes(meta)
+    buffers = sum(t.numel for t in manifest.tensors if t.name.endswith(_BUFFER_SUFFIXES))
+    assert manifest.nbytes == (meta.parameter_count + buffers) * 2
+    assert bool(meta.tied) == bool(config.get("tie_word_embeddings"))
+
+
+def test_different_config_gives_different_tensors() -> None:
+    # Negative control: the comparison above sees a wrong head count.
+    config = load_model_config("tiny-llama")
+    wrong = {**config, "num_key_value_heads": config["num_attention_heads"]}
+    assert {t.name: t.shape for t in build_manifest(config).tensors} != _shapes(meta_manifest(wrong))
+
+
+def test_unknown_model_refused_in_one_line() -> None:
+    with pytest.raises(ModelConfigError) as info:
+        meta_manifest({"model_type": "not_a_model", "architectures": ["NotAModelForCausalLM"]})
+    assert "\n" not in str(info.value)
+    assert "not_a_model" in str(info.value)
+
+
+def test_kimi_k2_resolves_through_its_architecture() -> None:
+    meta = meta_manifest(load_model_config("tiny-deepseek-v3") | {"model_type": "kimi_k2"})
+    assert meta.model_class == "DeepseekV3ForCausalLM"
+
+
+def test_unfuse_table_round_trips() -> None:
+    # Stacking the per-expert parts back (rows concatenated, experts stacked) gives the fused shape.
+    experts, inter, hidden = 4, 6, 10
+    fused = {
+        "mlp.experts.gate_up_proj": (experts, 2 * inter, hidden),
+        "mlp.experts.down_proj": (experts, hidden, inter),
+    }
+    assert set(fused) == set(UNFUSE)
+    for suffix, shape in fused.items():
+        parts = unfuse(f"model.layers.3.{suffix}", shape, "bfloat16")
+        assert len(parts) == experts * len(UNFUSE[suffix])
+        per_expert = [p for p in parts if p[0].startswith("model.layers.3.mlp.experts.2.")]
+        assert sum(s[0] for _, s, _ in per_expert) == shape[1]
+        assert {s[1] for _, s, _ in per_expert} == {shape[2]}
+    assert unfuse("model.norm.weight", (10,), "bfloat16") == [("model.norm.weight", (10,), "bfloat16")]
