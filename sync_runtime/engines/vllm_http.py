@@ -44,7 +44,16 @@ class HttpControl:
         return r.json() if r.content else None
 
     def world_size(self) -> int:
-        return int(self._call("GET", "/get_world_size", params={"include_dp": "false"})["world_size"])
+        """Workers of this server (TP x PP). A data-parallel server is refused: its DP ranks'
+        workers share local indices, and each DP rank would have to be its own replica."""
+        ranks = int(self._call("GET", "/get_world_size", params={"include_dp": "false"})["world_size"])
+        total = int(self._call("GET", "/get_world_size", params={"include_dp": "true"})["world_size"])
+        if total != ranks:
+            raise DestinationError(
+                f"vLLM server {self.base_url}: data parallel ({total // ranks} x {ranks} workers) is not "
+                "supported by the weightsync backend yet; run one server per DP rank"
+            )
+        return ranks
 
     def init(self, init_info: dict[str, Any]) -> None:
         self._call("POST", "/init_weight_transfer_engine", body={"init_info": init_info})
@@ -66,3 +75,11 @@ class HttpControl:
 
     def version(self) -> str:
         return str(self._call("GET", "/weight_info")["weight_version"])
+
+    def alive(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False

@@ -33,13 +33,15 @@ import torch.distributed as dist
 
 from sync_runtime.engines.vllm_batch import Batch, RankBatcher, Result, value
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
-from sync_runtime.errors import DestinationError, DiscoveryError
+from sync_runtime.errors import DestinationError, DiscoveryError, ParticipantDied
 from sync_runtime.runtime.participant import ParticipantMeta
 
 PAUSE_MODES = ("keep", "wait", "abort")
 ANSWER_TIMEOUT_S = 3600.0
 """Longest wait for one worker's answer (a ws_run lasts the whole transfer)."""
 POLL_S = 0.005
+LIVENESS_S = 2.0
+"""While waiting for an answer, how often the engine's liveness is checked."""
 
 
 class EngineControl(Protocol):
@@ -53,6 +55,7 @@ class EngineControl(Protocol):
     def pause(self, mode: str) -> None: ...
     def resume(self) -> None: ...
     def version(self) -> str: ...
+    def alive(self) -> bool: ...
 
 
 def find_engine(instance: Any, attr: str | None) -> Any:
@@ -126,6 +129,9 @@ class ActorControl:
 
     def version(self) -> str:
         return str(self._call("version"))
+
+    def alive(self) -> bool:
+        return True  # a dead actor fails the next control call instead
 
 
 class VllmEngineRanks(RankBatcher):
@@ -228,11 +234,17 @@ class VllmEngineRanks(RankBatcher):
                 self._paused_at = time.monotonic()
 
     def _await(self, key: str) -> bytes:
+        """A worker's answer; a dead engine (checked every LIVENESS_S) fails the wait at once."""
         deadline = time.monotonic() + ANSWER_TIMEOUT_S
+        checked = time.monotonic()
         while time.monotonic() < deadline:
             with self._store_lock:
                 if self._store.check([key]):
                     return bytes(self._store.get(key))
+            if time.monotonic() - checked > LIVENESS_S:
+                if not self._control.alive():
+                    raise ParticipantDied(f"vLLM engine stopped answering (waiting for {key})")
+                checked = time.monotonic()
             time.sleep(POLL_S)
         raise DestinationError(f"no answer for {key} within {ANSWER_TIMEOUT_S:g}s")
 

