@@ -20,7 +20,7 @@ from typing import Any
 
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import build_manifest, load_model_config, not_synced
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import PlanError, TopologyError, WeightSyncError
@@ -170,6 +170,7 @@ def plan_summary(inputs: SyncInputs, plan: SyncPlan) -> dict[str, Any]:
         "destinations": [f"{d.layout}:{d.spec.describe()}" for d in inputs.destinations],
         "src_ranks": len(inputs.source.coords),
         "dst_ranks": sum(len(d.coords) for d in inputs.destinations),
+        "not_synced": not_synced(inputs.manifest.config),
         **stats,
         "digest": plan.digest,
     }
@@ -210,6 +211,7 @@ def table_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("destinations", ", ".join(s["destinations"])),
         ("tensors", f"{s['tensors']:,}"),
         ("model bytes", _size(s["model_bytes"])),
+        ("not synced", "; ".join(s["not_synced"]) or "-"),
         ("ranks src / dst", f"{s['src_ranks']} / {s['dst_ranks']}"),
         ("transfers / buckets", f"{s['transfers']:,} / {s['buckets']:,}"),
         ("rounds", f"{s['rounds']:,}"),

@@ -11,6 +11,7 @@ from sync_runtime.core.models.config import (
     load_model_config,
     model_dims,
     model_family,
+    not_synced,
 )
 from sync_runtime.errors import ModelConfigError
 
@@ -24,4 +25,5 @@ __all__ = [
     "load_model_config",
     "model_dims",
     "model_family",
+    "not_synced",
 ]

@@ -1,13 +1,17 @@
 """config.json -> `Manifest`: the tensors of the published Hugging Face checkpoint (DESIGN 3).
 
 Names and shapes follow the safetensors files as stored (per-expert MoE tensors). Every tensor
-is modelled as bfloat16 unless the config's `weightsync_tensor_dtypes` says otherwise: the dtype
+has the config's dtype (`dtype`, or `torch_dtype`; bfloat16 when neither is given) unless the
+config's `weightsync_tensor_dtypes` says otherwise: the dtype
 each canonical tensor has on the wire, i.e. as the source holds it (a Megatron source reports
 its live dtypes there, e.g. fp32 norms and router expert_bias in a bf16 model). DeepSeek-V3 and
 Kimi-K2 publish FP8 block-quantised weights with `weight_scale_inv` tensors (and an F32
 `e_score_correction_bias`); we model their bf16 equivalents (the form a trainer and a bf16
 vLLM deployment hold), without scale tensors.
-MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are not synced.
+MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are not synced
+(`not_synced` says so in one line for plan and the report). A `quantization_config` is refused.
+engines/hf_meta.py reads the same tensors from transformers' own model class on the meta device;
+tests/test_hf_meta.py checks every preset's manifest against it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from sync_runtime.core.manifest import DTYPE_BYTES, Manifest, TensorMeta
-from sync_runtime.core.models.config import ModelDims, model_dims
+from sync_runtime.core.models.config import ModelDims, config_dtype, model_dims
 from sync_runtime.errors import ModelConfigError
 
 DTYPE = "bfloat16"
@@ -26,6 +30,7 @@ TENSOR_DTYPES_KEY = "weightsync_tensor_dtypes"
 
 
 def _t(name: str, *shape: int) -> TensorMeta:
+    # Built in DTYPE, then set to the config's dtype in one pass (build_manifest).
     return TensorMeta(name, tuple(shape), DTYPE)
 
 
@@ -112,8 +117,12 @@ def build_manifest(config: dict[str, Any]) -> Manifest:
     Raises ModelConfigError for unknown families or missing/unsupported fields.
     """
     dims = model_dims(config)
-    tensors = _with_dtypes(tuple(tensors_of(dims)), config.get(TENSOR_DTYPES_KEY) or {})
-    return Manifest(family=dims.family, tensors=tensors, config=dict(config), dtype=DTYPE)
+    dtype = config_dtype(config, ("bfloat16", "float16", "float32"))
+    tensors = tuple(tensors_of(dims))
+    if dtype != DTYPE:
+        tensors = tuple(dataclasses.replace(t, dtype=dtype) for t in tensors)
+    tensors = _with_dtypes(tensors, config.get(TENSOR_DTYPES_KEY) or {})
+    return Manifest(family=dims.family, tensors=tensors, config=dict(config), dtype=dtype)
 
 
 def _with_dtypes(tensors: tuple[TensorMeta, ...], dtypes: dict[str, str]) -> tuple[TensorMeta, ...]:

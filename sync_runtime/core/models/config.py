@@ -40,13 +40,19 @@ def available_presets() -> list[str]:
 
 
 def load_model_config(preset_name_or_path: str | Path) -> dict[str, Any]:
-    """A preset name (`sync_runtime/presets/<name>.json`) or a path to an HF config.json."""
+    """A preset name (`sync_runtime/presets/<name>.json`), an HF config.json, or a model directory
+    holding one (what `save_pretrained` writes and a hub snapshot is)."""
     text = str(preset_name_or_path)
     preset = PRESET_DIR / f"{text}.json"
     path = preset if preset.is_file() else Path(text)
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.is_file():
+            raise ModelConfigError(f"{text}: a directory without config.json")
     if not path.is_file():
         raise ModelConfigError(
-            f"{text!r} is neither a preset ({', '.join(available_presets())}) nor a config.json file"
+            f"{text!r} is neither a preset ({', '.join(available_presets())}), a config.json file "
+            "nor a model directory"
         )
     try:
         config = json.loads(path.read_text())
@@ -209,8 +215,49 @@ def _deepseek_v3(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]
     }
 
 
+def refuse_quantized(config: dict[str, Any]) -> None:
+    """A quantized checkpoint (FP8 DeepSeek-V3, Qwen3-FP8, MXFP4 gpt-oss) holds scale tensors and
+    other dtypes than the manifest models: refuse it by name rather than plan it as bf16."""
+    quant = config.get("quantization_config")
+    if not quant:
+        return
+    method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+    detail = ""
+    if isinstance(quant, dict):
+        extra = {k: quant[k] for k in ("fmt", "weight_block_size", "bits") if k in quant}
+        detail = f" ({', '.join(f'{k}={v}' for k, v in extra.items())})" if extra else ""
+    raise ModelConfigError(
+        f"{config.get('model_type')}: quantization_config quant_method={method!r}{detail}: quantized "
+        "checkpoints are not supported; plan the unquantized config (without quantization_config)"
+    )
+
+
+def config_dtype(config: dict[str, Any], known: tuple[str, ...]) -> str:
+    """The checkpoint's dtype: `dtype` (transformers 5) or `torch_dtype`, bfloat16 when neither."""
+    value = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    if value not in known:
+        raise ModelConfigError(
+            f"{config.get('model_type')}: dtype {value!r} is not supported (known: {', '.join(known)})"
+        )
+    return str(value)
+
+
+def not_synced(config: dict[str, Any]) -> list[str]:
+    """What of the checkpoint the manifest leaves out, one line each (printed by plan and the report)."""
+    out = []
+    mtp = config.get("num_nextn_predict_layers") or 0
+    if isinstance(mtp, int) and mtp > 0:
+        first = config.get("num_hidden_layers", 0)
+        out.append(
+            f"{mtp} MTP layer(s) (num_nextn_predict_layers={mtp}, model.layers.{first}"
+            f"{'' if mtp == 1 else f'..{first + mtp - 1}'}.*): not synced"
+        )
+    return out
+
+
 def model_dims(config: dict[str, Any]) -> ModelDims:
     """Typed dimensions of a supported config; ModelConfigError for unknown families or missing fields."""
+    refuse_quantized(config)
     family = model_family(config)
     base = _common(config, family)
     if family == "llama":
