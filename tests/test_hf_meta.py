@@ -63,3 +63,21 @@ def test_unfuse_table_round_trips() -> None:
         assert sum(s[0] for _, s, _ in per_expert) == shape[1]
         assert {s[1] for _, s, _ in per_expert} == {shape[2]}
     assert unfuse("model.norm.weight", (10,), "bfloat16") == [("model.norm.weight", (10,), "bfloat16")]
+
+
+def test_mixtral_checkpoint_names_round_trip() -> None:
+    # transformers' name -> checkpoint name -> the layouts' canonical view gives the first back.
+    from sync_runtime.core.layouts._rules import model_view
+    from sync_runtime.engines.hf_meta import checkpoint_name
+
+    hf = "model.layers.5.mlp.experts.3.up_proj.weight"
+    assert checkpoint_name(hf, "mixtral") == "model.layers.5.block_sparse_moe.experts.3.w3.weight"
+    assert (
+        checkpoint_name("model.layers.5.mlp.gate.weight", "mixtral")
+        == "model.layers.5.block_sparse_moe.gate.weight"
+    )
+    assert checkpoint_name(hf, "qwen3_moe") == hf
+    view = model_view(build_manifest(load_model_config("mixtral-8x7b")))
+    expert = view.layers[5].experts[3]
+    assert expert["up_proj.weight"].name == "model.layers.5.block_sparse_moe.experts.3.w3.weight"
+    assert view.layers[5].dense["mlp.gate.weight"].name == "model.layers.5.block_sparse_moe.gate.weight"

@@ -20,6 +20,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES, model_family
 from sync_runtime.errors import ModelConfigError
 
 MetaTensor = tuple[str, tuple[int, ...], str]
@@ -59,6 +60,29 @@ def unfuse(name: str, shape: tuple[int, ...], dtype: str) -> list[MetaTensor]:
                 out.append((f"{base}{e}.{part_suffix}", (rows // n, cols), dtype))
         return out
     return [(name, shape, dtype)]
+
+
+def checkpoint_name(name: str, family: str | None) -> str:
+    """transformers' (converted) name -> the checkpoint's, for families in MOE_CHECKPOINT_NAMES
+    (transformers 5 loads Mixtral's block_sparse_moe.experts.{e}.w1 as mlp.experts...)."""
+    if family not in MOE_CHECKPOINT_NAMES or ".mlp." not in name:
+        return name
+    block, names = MOE_CHECKPOINT_NAMES[family]
+    head, _, rest = name.partition(".mlp.")
+    if not rest.startswith(("gate.", "experts.")):
+        return name
+    for own, canon in names.items():
+        if rest.endswith("." + canon):
+            rest = rest[: -len(canon)] + own
+            break
+    return f"{head}.{block}{rest}"
+
+
+def _family(config: dict[str, Any]) -> str | None:
+    try:
+        return model_family(config)
+    except ModelConfigError:
+        return None
 
 
 def hf_model_type(config: dict[str, Any]) -> str:
@@ -105,11 +129,13 @@ def meta_manifest(config: dict[str, Any]) -> MetaManifest:
     if out_emb is not None and out_emb.weight is in_emb.weight:
         tied.append(("lm_head.weight", "model.embed_tokens.weight"))
     dropped = {name for name, _ in tied}
+    family = _family(config)
     tensors: list[MetaTensor] = []
     for name, value in model.state_dict().items():
         if name in dropped:
             continue
         dtype = str(value.dtype).removeprefix("torch.")
-        tensors.extend(unfuse(name, tuple(value.shape), dtype))
+        for part_name, shape, part_dtype in unfuse(name, tuple(value.shape), dtype):
+            tensors.append((checkpoint_name(part_name, family), shape, part_dtype))
     count = sum(p.numel() for p in model.parameters())
     return MetaManifest(type(model).__name__, tuple(tensors), tuple(tied), count)

@@ -15,7 +15,7 @@ from typing import TypeVar, cast
 from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Box, LocalTensorMeta, Piece, Range, RankShard
 from sync_runtime.core.manifest import Manifest, TensorMeta
-from sync_runtime.core.models.config import ModelDims, model_dims
+from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES, ModelDims, model_dims
 from sync_runtime.core.topology import ParallelSpec, RankCoord, stage_layer_ranges
 from sync_runtime.errors import LayoutError, ModelConfigError, TopologyError
 
@@ -90,6 +90,7 @@ def _parse(manifest: Manifest) -> ModelView:
     top: dict[str, TensorMeta] = {}
     dense: list[dict[str, TensorMeta]] = [{} for _ in range(dims.num_layers)]
     experts: list[list[dict[str, TensorMeta]]] = [[] for _ in range(dims.num_layers)]
+    block, expert_names = MOE_CHECKPOINT_NAMES.get(dims.family, ("mlp.", {}))
     for t in manifest.tensors:
         # str.split, not a regex: this loop runs over ~70k names for Kimi-K2.
         head, _, rest = t.name.partition("model.layers.")
@@ -98,6 +99,8 @@ def _parse(manifest: Manifest) -> ModelView:
             top[t.name] = t
             continue
         i = int(index)
+        if expert_names and rest.startswith(block):  # the family's own MoE names -> mlp.*
+            rest = "mlp." + rest[len(block) :]
         if i >= dims.num_layers:
             raise LayoutError(
                 f"{t.name}: layer {i} >= num_hidden_layers={dims.num_layers} (MTP layers are not synced)"
@@ -110,6 +113,7 @@ def _parse(manifest: Manifest) -> ModelView:
             dense[i][rest] = t
             continue
         e = int(expert)
+        suffix = expert_names.get(suffix, suffix)
         per_layer = experts[i]
         while len(per_layer) <= e:
             per_layer.append({})

@@ -48,6 +48,15 @@ NAME = "vllm"
 VOCAB_MULTIPLE = 64
 EXPERTS = "mlp.experts.routed_experts."
 """vLLM 0.32's FusedMoE module path inside a MoE block (Qwen3-MoE and DeepSeek alike)."""
+MOE_BLOCK: dict[str, str] = {"mixtral": "block_sparse_moe."}
+"""Families whose vLLM MoE block is not `mlp.` (vLLM's MixtralDecoderLayer.block_sparse_moe)."""
+
+
+def _moe_local(view: ModelView, suffix: str) -> str:
+    """The vLLM suffix of a canonical `mlp.` MoE suffix (router, experts) for this family."""
+    block = MOE_BLOCK.get(view.dims.family)
+    return block + suffix[len("mlp.") :] if block and suffix.startswith("mlp.") else suffix
+
 
 # Tensors held whole under their canonical suffix.
 _FULL = (
@@ -155,11 +164,13 @@ def _gate_up(out: ShardBuilder, p: str, sub: str, dense: dict[str, TensorMeta], 
     out.split(down, f"{p}{sub}down_proj.weight", 1, t, r)
 
 
-def _experts(out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, coord: RankCoord) -> None:
+def _experts(
+    out: ShardBuilder, p: str, layer: LayerView, spec: ParallelSpec, coord: RankCoord, module: str = EXPERTS
+) -> None:
     experts = layer.experts
     gate0 = experts[0]["gate_proj.weight"]
     im, hidden, dtype = gate0.shape[0], gate0.shape[1], gate0.dtype
-    w13, w2 = f"{p}{EXPERTS}w13_weight", f"{p}{EXPERTS}w2_weight"
+    w13, w2 = f"{p}{module}w13_weight", f"{p}{module}w2_weight"
     if spec.ep > 1:
         e0, e1 = part(len(experts), spec.ep, coord.ep_rank)
         lo, hi = 0, im
@@ -202,10 +213,10 @@ def _layer(
     if "mlp.shared_experts.gate_proj.weight" in dense:
         _gate_up(out, p, "mlp.shared_experts.", dense, t, r)
     if layer.experts:
-        _experts(out, p, layer, spec, coord)
+        _experts(out, p, layer, spec, coord, _moe_local(view, EXPERTS))
     for suffix in _FULL:
         if suffix in dense:
-            out.full(dense[suffix], p + suffix)
+            out.full(dense[suffix], p + _moe_local(view, suffix))
 
 
 def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:

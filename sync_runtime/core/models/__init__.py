@@ -1,6 +1,6 @@
 """Model manifests from config.json (DESIGN 3).
 
-Families: llama (Llama 3, Qwen2, Qwen3), qwen3_moe, deepseek_v3 (also Kimi-K2).
+Families: llama (Llama 3, Qwen2, Qwen3), qwen3_moe, deepseek_v3 (also Kimi-K2), mixtral.
 """
 
 from sync_runtime.core.models.builders import TENSOR_DTYPES_KEY, build_manifest

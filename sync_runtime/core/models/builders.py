@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from sync_runtime.core.manifest import DTYPE_BYTES, Manifest, TensorMeta
-from sync_runtime.core.models.config import ModelDims, config_dtype, model_dims
+from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES, ModelDims, config_dtype, model_dims
 from sync_runtime.errors import ModelConfigError
 
 DTYPE = "bfloat16"
@@ -75,9 +75,23 @@ def _mla_attention(p: str, d: ModelDims) -> Iterator[TensorMeta]:
     yield _t(f"{p}.self_attn.o_proj.weight", d.hidden, d.num_heads * d.v_head_dim)
 
 
+def _named_moe(p: str, d: ModelDims) -> Iterator[TensorMeta]:
+    """A family whose MoE checkpoint names differ (MOE_CHECKPOINT_NAMES): gate, then experts."""
+    block, names = MOE_CHECKPOINT_NAMES[d.family]
+    ckpt = {canon: own for own, canon in names.items()}
+    yield _t(f"{p}.{block}gate.weight", d.num_experts, d.hidden)
+    for e in range(d.num_experts):
+        expert = f"{p}.{block}experts.{e}."
+        for t in _dense_mlp(expert[:-1], d.hidden, d.moe_intermediate):
+            yield TensorMeta(expert + ckpt[t.name[len(expert) :]], t.shape, t.dtype)
+
+
 def _moe_mlp(p: str, d: ModelDims) -> Iterator[TensorMeta]:
     # HF module order: experts, gate (router), shared_experts (DeepSeek-V3); Qwen3-MoE has
     # gate first, but checkpoint order only fixes iteration order, never names or shapes.
+    if d.family in MOE_CHECKPOINT_NAMES:
+        yield from _named_moe(p, d)
+        return
     if d.family == "qwen3_moe":
         yield _t(f"{p}.mlp.gate.weight", d.num_experts, d.hidden)
     for e in range(d.num_experts):

@@ -23,6 +23,7 @@ _ARCH_FAMILY: dict[str, str] = {
     "Qwen3ForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "MixtralForCausalLM": "mixtral",
 }
 _TYPE_FAMILY: dict[str, str] = {
     "llama": "llama",
@@ -31,8 +32,20 @@ _TYPE_FAMILY: dict[str, str] = {
     "qwen3_moe": "qwen3_moe",
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
+    "mixtral": "mixtral",
 }
-FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3")
+FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3", "mixtral")
+
+MOE_CHECKPOINT_NAMES: dict[str, tuple[str, dict[str, str]]] = {
+    # family -> (its MoE block's module name, {per-expert checkpoint suffix: canonical suffix}).
+    # Layouts see every family's MoE tensors under `mlp.` and gate/up/down; the manifest keeps
+    # the checkpoint's own names (Mixtral: block_sparse_moe.experts.{e}.w1 = gate, w3 = up, w2 = down).
+    "mixtral": (
+        "block_sparse_moe.",
+        {"w1.weight": "gate_proj.weight", "w3.weight": "up_proj.weight", "w2.weight": "down_proj.weight"},
+    ),
+}
+"""Checkpoint names of MoE blocks that differ from the Qwen/DeepSeek form (`mlp.experts.{e}.gate_proj`)."""
 
 
 def available_presets() -> list[str]:
@@ -190,6 +203,17 @@ def _qwen3_moe(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _mixtral(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    # Every layer is MoE; intermediate_size is the per-expert size; no shared experts.
+    dims = _gqa(config, base)
+    return {
+        **dims,
+        "num_experts": _pos_int(config, "num_local_experts"),
+        "moe_intermediate": base["intermediate"],
+        "moe_layers": frozenset(range(base["num_layers"])),
+    }
+
+
 def _deepseek_v3(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     q_lora = config.get("q_lora_rank")
     nope, rope = _pos_int(config, "qk_nope_head_dim"), _pos_int(config, "qk_rope_head_dim")
@@ -264,6 +288,8 @@ def model_dims(config: dict[str, Any]) -> ModelDims:
         fields = _gqa(config, base)
     elif family == "qwen3_moe":
         fields = _qwen3_moe(config, base)
+    elif family == "mixtral":
+        fields = _mixtral(config, base)
     else:
         fields = _deepseek_v3(config, base)
     dims = ModelDims(**fields)

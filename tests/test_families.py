@@ -1,0 +1,57 @@
+"""Families added after the first three: names per layout, round trips, real-size plans."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sync_runtime.cli import main as cli
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
+from tests.test_layouts import assert_round_trip
+from tests.test_layouts_moe_mla import GRID
+
+pytestmark = pytest.mark.unit
+
+L0 = "model.layers.0."
+
+
+@pytest.mark.parametrize(("layout", "spec"), [(lay, s) for lay, specs in GRID.items() for s in specs])
+def test_mixtral_round_trip(layout: str, spec: str) -> None:
+    assert_round_trip(layout, build_manifest(load_model_config("tiny-mixtral")), ParallelSpec.parse(spec))
+
+
+def test_mixtral_names_per_layout() -> None:
+    m = build_manifest(load_model_config("tiny-mixtral"))
+    names = {t.name for t in m.tensors}
+    assert L0 + "block_sparse_moe.experts.7.w1.weight" in names
+    assert L0 + "block_sparse_moe.gate.weight" in names
+    assert not any(".mlp." in n for n in names)
+    vllm = get_layout("vllm").shard(m, ParallelSpec(tp=2), RankCoord(role=Role.DESTINATION, tp_rank=1))
+    local = {t.name: t.shape for t in vllm.tensors}
+    # vLLM's MixtralDecoderLayer.block_sparse_moe: FusedMoE w13 = [gate; up] rows, Im/t each.
+    assert local[L0 + "block_sparse_moe.experts.routed_experts.w13_weight"] == (8, 32, 64)
+    assert local[L0 + "block_sparse_moe.gate.weight"] == (8, 64)
+    mg = get_layout("megatron").shard(m, ParallelSpec(tp=2, ep=2), RankCoord(role=Role.SOURCE, ep_rank=1))
+    local = {t.name: t.shape for t in mg.tensors}
+    assert local["decoder.layers.0.mlp.router.weight"] == (8, 64)
+    assert local["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"] == (64, 64)
+    w1 = [p for p in mg.pieces if p.tensor == L0 + "block_sparse_moe.experts.7.w1.weight"]
+    assert [p.local_name for p in w1] == ["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"]
+
+
+REAL = [
+    ("mixtral-8x7b", "tp=4,pp=4,dp=2,ep=8", "tp=8,ep=8"),
+]
+
+
+@pytest.mark.parametrize(("preset", "src", "dst"), REAL)
+def test_real_config_plans_at_the_lower_bound(preset: str, src: str, dst: str, capsys) -> None:
+    code = cli.main(["plan", "--model", preset, "--src", src, "--dst", dst, "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    summary = json.loads(out.out)
+    assert summary["model_bytes"] == build_manifest(load_model_config(preset)).nbytes
+    assert summary["wire_bytes"] == summary["lower_bound_bytes"]
