@@ -35,10 +35,10 @@ from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.testing.local_ranks import LocalWorld, RankContext
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
 from sync_runtime.transfer import delta as delta_codec
 from sync_runtime.transfer.delta_wire import KeptBits
-from tests.support.local_ranks import LocalWorld, RankContext
 
 KIMI = ("kimi-k2", "tp=8,pp=8,dp=4,ep=32,layers=8+8+8+8+8+7+7+7", "tp=16,ep=16,replicas=8")
 
@@ -54,9 +54,9 @@ def model_config(hidden: int, layers: int, vocab: int) -> dict[str, Any]:
 
 def train(config: dict[str, Any], steps: int, lr: float) -> list[dict[str, torch.Tensor]]:
     """bf16 source tensors (Megatron layout names) of the initial model and after each step."""
-    from sync_runtime.demo.megatron_models import build_chunks, init_parallel, megatron_config
-    from sync_runtime.demo.megatron_train import train_step
     from sync_runtime.engines.megatron import MegatronSource
+    from sync_runtime.testing.megatron_models import build_chunks, init_parallel, megatron_config
+    from sync_runtime.testing.megatron_train import train_step
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

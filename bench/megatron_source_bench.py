@@ -53,10 +53,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     _init()
-    from sync_runtime.demo.megatron_models import build_chunks, init_parallel, megatron_config
-    from sync_runtime.demo.megatron_train import batch, forward_backward
     from sync_runtime.engines.megatron import MegatronSource
     from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+    from sync_runtime.testing.megatron_models import build_chunks, init_parallel, megatron_config
+    from sync_runtime.testing.megatron_train import batch, forward_backward
     from sync_runtime.transfer.buffers import BufferPool, pack_bucket
 
     config, spec = load_model_config(args.model), ParallelSpec()

@@ -39,10 +39,10 @@ import torch
 
 from sync_runtime.core.layouts.base import Piece
 from sync_runtime.core.topology import Role
+from sync_runtime.testing.local_ranks import LocalWorld, RankContext
+from sync_runtime.testing.scenario import Scenario
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
 from sync_runtime.transfer.buffers import box_slices
-from tests.support.local_ranks import LocalWorld, RankContext
-from tests.support.scenario import Scenario
 
 TIMEOUT_S = 300.0
 POLICIES = ("host", "device", "inplace")

@@ -42,7 +42,11 @@ import ray
 from bench.vllm_load_ext import EXTENSION
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import Role
-from sync_runtime.demo.cluster import (
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import NullReporter, SyncReport, SyncResult
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     kill_participants,
@@ -50,12 +54,8 @@ from sync_runtime.demo.cluster import (
     train_step,
     weightsync_spec,
 )
-from sync_runtime.demo.vllm_deploy import engine_env, generations, start_replica, stop_replicas, wait_ready
-from sync_runtime.demo.vllm_models import CONFIGS, write_model
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.runtime.discovery import find_actors
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import NullReporter, SyncReport, SyncResult
+from sync_runtime.testing.vllm_deploy import engine_env, generations, start_replica, stop_replicas, wait_ready
+from sync_runtime.testing.vllm_models import CONFIGS, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
 """On the vLLM workers' path: they import bench.vllm_load_ext (make puts it on ours too)."""

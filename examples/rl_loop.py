@@ -16,7 +16,9 @@ import time
 
 import ray
 
-from sync_runtime.demo.cluster import (
+from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.schema.crd import Transport
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     destination_participants,
@@ -25,9 +27,7 @@ from sync_runtime.demo.cluster import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo.weights import bits_to_torch, shard_arrays
-from sync_runtime.runtime.discovery import find_actors
-from sync_runtime.schema.crd import Transport
+from sync_runtime.testing.weights import bits_to_torch, shard_arrays
 from sync_runtime.trainer import InProcessSync, push
 
 

@@ -27,7 +27,14 @@ import ray
 import torch.distributed as dist
 
 from sync_runtime.core.topology import Role, enumerate_ranks
-from sync_runtime.demo.cluster import (
+from sync_runtime.errors import Reason
+from sync_runtime.runtime.commit import CommitHooks
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.testing import commit_coordinator, faults, serving_checker
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     destination_name,
@@ -37,17 +44,10 @@ from sync_runtime.demo.cluster import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo.weights import DemoDestination, DemoSource
-from sync_runtime.errors import Reason
-from sync_runtime.runtime.commit import CommitHooks
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.runtime.discovery import find_actors
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.testing.faults import FaultArming, flip_first_staged_byte
+from sync_runtime.testing.serving_checker import ServingChecker
+from sync_runtime.testing.weights import DemoDestination, DemoSource
 from sync_runtime.transfer import EngineHooks
-from tests.support import commit_coordinator, faults, serving_checker
-from tests.support.faults import FaultArming, flip_first_staged_byte
-from tests.support.serving_checker import ServingChecker
 
 MODEL, SRC, DST, SEED, NS = "tiny-llama", "tp=2", "tp=2,replicas=2", 11, "t-commit"
 TIMEOUT_S = 10

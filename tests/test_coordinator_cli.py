@@ -15,7 +15,10 @@ import pytest
 import ray
 import yaml
 
-from sync_runtime.demo.run import (
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import SecretKeyRef, ray_token_env_name
+from sync_runtime.schema.report import NullReporter, SyncResult
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     kill_participants,
@@ -23,9 +26,6 @@ from sync_runtime.demo.run import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.crd import SecretKeyRef, ray_token_env_name
-from sync_runtime.schema.report import NullReporter, SyncResult
 
 EXE = Path(sys.executable).parent / "weightsync"
 

@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 import ray
 
-from sync_runtime.demo.run import (
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import ProgressEvent, SyncReport, SyncResult, SyncStep
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     destination_participants,
@@ -24,10 +27,7 @@ from sync_runtime.demo.run import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo.weights import shard_arrays, torch_to_bits
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import ProgressEvent, SyncReport, SyncResult, SyncStep
+from sync_runtime.testing.weights import shard_arrays, torch_to_bits
 
 # 6 heads and 6 KV heads, vocab 960: TP 3 and TP 2 are both legal on both sides (DESIGN 4.1/4.2).
 TP6_CONFIG = {

@@ -20,7 +20,11 @@ import pytest
 import ray
 import torch
 
-from sync_runtime.demo.cluster import (
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     destination_participants,
@@ -28,11 +32,7 @@ from sync_runtime.demo.cluster import (
     start_local_ray,
     weightsync_spec,
 )
-from sync_runtime.demo.weights import DemoDestination, DemoSource
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.runtime.discovery import find_actors
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.testing.weights import DemoDestination, DemoSource
 from sync_runtime.transfer import EngineHooks
 
 pytestmark = pytest.mark.e2e

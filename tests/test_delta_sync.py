@@ -18,10 +18,10 @@ import torch
 from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.topology import Role
 from sync_runtime.errors import ChecksumMismatch
+from sync_runtime.testing.local_ranks import LocalWorld, RankContext
+from sync_runtime.testing.scenario import Scenario, canonical, mismatches, to_torch
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
 from sync_runtime.transfer.delta_wire import KeptBits
-from tests.support.local_ranks import LocalWorld, RankContext
-from tests.support.scenario import Scenario, canonical, mismatches, to_torch
 
 pytestmark = pytest.mark.e2e
 

@@ -16,7 +16,14 @@ from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.base import LocalTensorMeta
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
-from sync_runtime.demo.run import (
+from sync_runtime.errors import RayUnreachableError, Reason, TopologyMismatchError
+from sync_runtime.runtime.connect import connect_ray
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.discovery import Participant, check_side
+from sync_runtime.runtime.participant import ParticipantMeta
+from sync_runtime.schema.crd import DeploymentRef, Parallelism, WeightSyncSpec
+from sync_runtime.schema.report import NullReporter, SyncResult, SyncStep
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     destination_participants,
@@ -25,14 +32,7 @@ from sync_runtime.demo.run import (
     start_local_ray,
     weightsync_spec,
 )
-from sync_runtime.demo.weights import DemoDestination
-from sync_runtime.errors import RayUnreachableError, Reason, TopologyMismatchError
-from sync_runtime.runtime.connect import connect_ray
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.runtime.discovery import Participant, check_side
-from sync_runtime.runtime.participant import ParticipantMeta
-from sync_runtime.schema.crd import DeploymentRef, Parallelism, WeightSyncSpec
-from sync_runtime.schema.report import NullReporter, SyncResult, SyncStep
+from sync_runtime.testing.weights import DemoDestination
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 MANIFEST = build_manifest(load_model_config("tiny-qwen3-moe"))

@@ -5,7 +5,7 @@ surviving destination must keep its previous weights and version. After each fai
 sync reconnects (the group that saw the failure is never reused) and succeeds.
 
 One deployment serves the module; faults are armed per test through `ws_arm` of participant
-subclasses (`tests.support.faults.FaultArming`): it sets the engine observer (`EngineHooks`) the
+subclasses (`sync_runtime.testing.faults.FaultArming`): it sets the engine observer (`EngineHooks`) the
 participant's next `ws_run` passes to the engine.
 """
 
@@ -20,7 +20,12 @@ import pytest
 import ray
 
 from sync_runtime.core.topology import RankCoord, Role
-from sync_runtime.demo.run import (
+from sync_runtime.errors import Reason
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import NullReporter, SyncResult, SyncStep
+from sync_runtime.testing import faults
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     destination_name,
@@ -30,13 +35,8 @@ from sync_runtime.demo.run import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo.weights import DemoDestination, DemoSource
-from sync_runtime.errors import Reason
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import NullReporter, SyncResult, SyncStep
-from tests.support import faults
-from tests.support.faults import FaultArming
+from sync_runtime.testing.faults import FaultArming
+from sync_runtime.testing.weights import DemoDestination, DemoSource
 
 TIMEOUT_S = 4
 MARGIN_S = 8.0

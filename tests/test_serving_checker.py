@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from sync_runtime.core.topology import Role, enumerate_ranks
-from sync_runtime.demo.cluster import DemoSetup
-from tests.support.serving_checker import ServingChecker
+from sync_runtime.testing.cluster import DemoSetup
+from sync_runtime.testing.serving_checker import ServingChecker
 
 
 def _checker() -> tuple[ServingChecker, str, str]:

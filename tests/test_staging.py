@@ -19,6 +19,8 @@ import torch.distributed as dist
 from sync_runtime.core.topology import Role
 from sync_runtime.errors import ChecksumMismatch, CommitFailed, SourceChanged, StagingError, SyncStep
 from sync_runtime.runtime import participant_txn
+from sync_runtime.testing.local_ranks import LocalWorld, RankContext
+from sync_runtime.testing.scenario import Scenario, mismatches, rank_tensors
 from sync_runtime.transfer import (
     CommitRecord,
     DestinationWeights,
@@ -30,8 +32,6 @@ from sync_runtime.transfer import (
 )
 from sync_runtime.transfer.fence import check_fence, fingerprint, snapshot
 from sync_runtime.transfer.txn import commit_decision, parse_decision
-from tests.support.local_ranks import LocalWorld, RankContext
-from tests.support.scenario import Scenario, mismatches, rank_tensors
 
 BUDGET = {"bucket_bytes": 48 * 1024, "staging_budget_bytes": 256 * 1024}
 RELAY = Scenario("tiny-llama", "tp=2", "tp=2,replicas=2", planner={**BUDGET, "relay": "on"})

@@ -8,7 +8,11 @@ import pytest
 import ray
 
 from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.demo.cluster import (
+from sync_runtime.errors import Reason, SyncStep, TopologyMismatchError, WeightSyncError
+from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import SyncResult
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     kill_participants,
@@ -16,11 +20,7 @@ from sync_runtime.demo.cluster import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo.weights import bits_to_torch, shard_arrays
-from sync_runtime.errors import Reason, SyncStep, TopologyMismatchError, WeightSyncError
-from sync_runtime.runtime.discovery import find_actors
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import SyncResult
+from sync_runtime.testing.weights import bits_to_torch, shard_arrays
 from sync_runtime.trainer import InProcessSync, push
 
 TRANSPORT = Transport(transfer_timeout_seconds=60, connect_timeout_seconds=60)

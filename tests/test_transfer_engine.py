@@ -15,9 +15,9 @@ import torch
 from sync_runtime.core.plan import Bucket, Round, SyncPlan, Transfer
 from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.errors import Reason, SyncStep
+from sync_runtime.testing import faults
+from sync_runtime.testing.local_ranks import LocalWorld, RankContext
 from sync_runtime.transfer import DestinationWeights, EngineHooks, SyncGroup, TransferConfig, run_rank_plan
-from tests.support import faults
-from tests.support.local_ranks import LocalWorld, RankContext
 
 WORLD = 3
 DEFAULT_DIRECT = TransferConfig().direct_min_bytes

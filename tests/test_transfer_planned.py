@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import pytest
 
 from sync_runtime.core.topology import Role
+from sync_runtime.testing.local_ranks import LocalWorld, RankContext
+from sync_runtime.testing.scenario import Scenario, mismatches, rank_tensors
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
-from tests.support.local_ranks import LocalWorld, RankContext
-from tests.support.scenario import Scenario, mismatches, rank_tensors
 
 POOL = 6
 SMALL = {"bucket_bytes": 48 * 1024, "staging_budget_bytes": 256 * 1024}

@@ -21,45 +21,28 @@ from pathlib import Path
 import ray
 from rich.console import Console
 
-from sync_runtime.demo.cluster import (
+from sync_runtime.demo.console import ConsoleReporter, human_bytes, ranks_table, summary_table
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import SyncReport, SyncResult
+from sync_runtime.testing.cluster import (
     DEFAULT_MODEL,
     DEFAULT_NAMESPACE,
     DemoSetup,
     connect,
     create_participants,
-    destination_name,
     destination_participants,
     kill_participants,
-    source_name,
     start_local_ray,
     train_step,
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.demo.console import ConsoleReporter, human_bytes, ranks_table, summary_table
-from sync_runtime.demo.vllm_models import DEFAULT_VLLM_MODEL
-from sync_runtime.demo.vllm_models import PRESETS as VLLM_PRESETS
-from sync_runtime.demo.weights import reference_weights
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import SyncReport, SyncResult
+from sync_runtime.testing.vllm_models import DEFAULT_VLLM_MODEL
+from sync_runtime.testing.vllm_models import PRESETS as VLLM_PRESETS
+from sync_runtime.testing.weights import reference_weights
 
-__all__ = [
-    "DEFAULT_MODEL",
-    "DemoSetup",
-    "add_arguments",
-    "create_participants",
-    "destination_name",
-    "destination_participants",
-    "kill_participants",
-    "run",
-    "source_name",
-    "start_local_ray",
-    "train_step",
-    "verify_destinations",
-    "weightsync_spec",
-]
-"""Re-exported for tests and end-to-end checks: `from sync_runtime.demo.run import ...`."""
+__all__ = ["add_arguments", "main", "run"]
 
 
 VLLM_SRC, VLLM_DST = "tp=2", "tp=1,replicas=2"

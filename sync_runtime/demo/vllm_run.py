@@ -34,16 +34,19 @@ from rich.console import Console
 from rich.table import Table
 
 from sync_runtime.core.topology import ParallelSpec, Role
-from sync_runtime.demo.cluster import (
+from sync_runtime.demo.console import ConsoleReporter, human_bytes, ranks_table, summary_table
+from sync_runtime.demo.dump import write_manifest, write_reference, write_report
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import Transport
+from sync_runtime.schema.report import SyncReport, SyncResult
+from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     kill_participants,
     start_local_ray,
     weightsync_spec,
 )
-from sync_runtime.demo.console import ConsoleReporter, human_bytes, ranks_table, summary_table
-from sync_runtime.demo.dump import write_manifest, write_reference, write_report
-from sync_runtime.demo.vllm_deploy import (
+from sync_runtime.testing.vllm_deploy import (
     Generation,
     generations,
     start_replica,
@@ -51,11 +54,8 @@ from sync_runtime.demo.vllm_deploy import (
     token_rows_equal,
     wait_ready,
 )
-from sync_runtime.demo.vllm_models import PROMPTS, model_dir_for, vllm_model_config
-from sync_runtime.demo.weights import bits_to_torch, reference_weights, shard_arrays
-from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import SyncReport, SyncResult
+from sync_runtime.testing.vllm_models import PROMPTS, model_dir_for, vllm_model_config
+from sync_runtime.testing.weights import bits_to_torch, reference_weights, shard_arrays
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 
 VERSION = "v1"

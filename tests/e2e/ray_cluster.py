@@ -217,7 +217,7 @@ def _install_gate(actor: Any, gate_file: str, max_wait_s: float) -> bool:
 def _arm_corruption(actor: Any, armed: bool) -> bool:
     """Flip one staged byte right before this rank's commit applies it (after the decision): the
     rank's check of its staging refuses the commit, so its replica ends on two versions."""
-    from tests.support.faults import flip_first_staged_byte
+    from sync_runtime.testing.faults import flip_first_staged_byte
 
     actor._ws_before_commit = flip_first_staged_byte if armed else None  # pre-commit observer
     return True
@@ -255,7 +255,7 @@ def cmd_snapshot(args: argparse.Namespace) -> dict[str, Any]:
 
     from sync_runtime.core.models import build_manifest
     from sync_runtime.core.topology import ParallelSpec
-    from sync_runtime.demo.weights import expected_sha256, model_config
+    from sync_runtime.testing.weights import expected_sha256, model_config
 
     actors = _actors(args.namespace, args.prefix)
     refs = {n: h.__ray_call__.remote(_state) for n, h in actors}

@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests.support, r
 import ray
 
 from sync_runtime.core.topology import Role
-from sync_runtime.demo.cluster import DemoSetup, create_participants, train_step
+from sync_runtime.testing.cluster import DemoSetup, create_participants, train_step
 from tests.support.vllm_deploy import engine_env, generations, stop_replicas
 
 ENGINE_READY_S = 500.0

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from sync_runtime.demo.cluster import start_local_ray
+from sync_runtime.testing.cluster import start_local_ray
 
 
 @pytest.fixture(scope="session")

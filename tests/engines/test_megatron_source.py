@@ -13,9 +13,9 @@ import ray
 import torch
 
 from sync_runtime.core.models import TENSOR_DTYPES_KEY, load_model_config
-from sync_runtime.demo.megatron_run import MegatronDeployment
 from sync_runtime.errors import LayoutError
 from sync_runtime.schema.report import SyncResult
+from sync_runtime.testing.megatron_deploy import MegatronDeployment
 
 WORLD = 4
 

@@ -22,9 +22,9 @@ import ray
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.demo.weights import bits_to_torch, shard_arrays
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
+from sync_runtime.testing.weights import bits_to_torch, shard_arrays
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from tests.support.vllm_deploy import (
     deploy,

@@ -22,8 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from sync_runtime.core.models import build_manifest
-from sync_runtime.demo.vllm_models import CONFIGS
-from sync_runtime.demo.weights import reference_weights
+from sync_runtime.testing.vllm_models import CONFIGS
+from sync_runtime.testing.weights import reference_weights
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]

@@ -41,12 +41,12 @@ import torch
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest
 from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.demo.megatron_actors import build_all, start_trainers
-from sync_runtime.demo.megatron_run import save_reference
-from sync_runtime.demo.vllm_deploy import Generation
 from sync_runtime.engines.megatron_convert import gather_full, to_hf
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
+from sync_runtime.testing.megatron_actors import build_all, start_trainers
+from sync_runtime.testing.megatron_deploy import save_reference
+from sync_runtime.testing.vllm_deploy import Generation
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from tests.support.vllm_deploy import (
     CONFIGS,

@@ -20,13 +20,13 @@ import ray
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.demo.cluster import train_step
-from sync_runtime.demo.vllm_deploy import stop_replicas
 from sync_runtime.engines.vllm_apply import check_vllm_version
 from sync_runtime.engines.vllm_ranks import ActorControl, attach
 from sync_runtime.errors import DestinationError
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
+from sync_runtime.testing.cluster import train_step
+from sync_runtime.testing.vllm_deploy import stop_replicas
 from tests.support.vllm_deploy import deploy, destination_ref, engine_env, generations, rows_equal, sync_spec
 from tests.support.vllm_user import UserEngine
 

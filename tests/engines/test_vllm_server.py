@@ -19,12 +19,12 @@ import pytest
 import ray
 
 from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.demo.cluster import train_step
-from sync_runtime.demo.vllm_models import PROMPTS
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
+from sync_runtime.testing.cluster import train_step
+from sync_runtime.testing.vllm_models import PROMPTS
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
 from tests.support.vllm_server import Client, free_port, generate, generations, serve, stop, wait_healthy
 

@@ -1,4 +1,4 @@
-"""Test helpers for real vLLM destinations: the package's (sync_runtime.demo.vllm_models,
+"""Test helpers for real vLLM destinations: the package's (sync_runtime.testing.vllm_models,
 vllm_deploy) under their old names, with this clone and its tests on the workers' path (a
 test's worker extension lives in tests.support).
 
@@ -18,9 +18,9 @@ import ray
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
-from sync_runtime.demo import vllm_deploy as _deploy
-from sync_runtime.demo.cluster import DemoSetup, create_participants, kill_participants
-from sync_runtime.demo.vllm_deploy import (
+from sync_runtime.testing import vllm_deploy as _deploy
+from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_participants
+from sync_runtime.testing.vllm_deploy import (
     Generation,
     destination_ref,
     generations,
@@ -29,7 +29,7 @@ from sync_runtime.demo.vllm_deploy import (
     sync_spec,
     wait_ready,
 )
-from sync_runtime.demo.vllm_models import CONFIGS, MAX_TOKENS, PROMPTS, write_model
+from sync_runtime.testing.vllm_models import CONFIGS, MAX_TOKENS, PROMPTS, write_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

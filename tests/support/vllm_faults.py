@@ -8,7 +8,7 @@ mid-transfer, without a word to its peers).
 from __future__ import annotations
 
 from sync_runtime.engines.vllm_worker import VllmRankParticipant, VllmWorkerExtension
-from tests.support.faults import exit_before_round
+from sync_runtime.testing.faults import exit_before_round
 
 EXTENSION = "tests.support.vllm_faults.ArmableWorkerExtension"
 

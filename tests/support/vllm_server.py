@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from sync_runtime.demo.vllm_models import MAX_TOKENS, PROMPTS
+from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
 from tests.support.vllm_deploy import engine_env
 
 START_TIMEOUT_S = 900.0

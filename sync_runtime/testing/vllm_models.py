@@ -17,7 +17,7 @@ from typing import Any
 
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import load_model_config
-from sync_runtime.demo.weights import bits_to_torch, reference_weights
+from sync_runtime.testing.weights import bits_to_torch, reference_weights
 
 _COMMON = {
     "vocab_size": 1000,  # not a multiple of 64: the padded rows (Vp = 1024) are exercised

@@ -19,8 +19,8 @@ from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.manifest import Manifest, TensorMeta
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord
-from sync_runtime.demo.actors import MegatronSourceActor, VllmDestinationActor
 from sync_runtime.runtime.participant import tensor_sha256
+from sync_runtime.testing.actors import MegatronSourceActor, VllmDestinationActor
 
 INIT_STD = 0.02
 """Scale of the random weights (like an initialised transformer): keeps every bf16 value finite."""

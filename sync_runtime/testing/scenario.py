@@ -1,9 +1,10 @@
 """A sync scenario run on local rank processes: plan it, build each rank's tensors, run, check.
 
 Shared by the engine's tests and `bench/transfer_bench.py`; nothing here runs in production.
-Canonical tensors are generated from (seed, tensor index), so every rank process builds the
-same ones without shipping bytes; a destination checks its committed tensors bit for bit
-against `layouts.materialize(dst_shard, canon)`.
+Canonical tensors are the seeded weights of `testing.weights` (a pure function of seed, version
+and tensor name), so every rank process builds the same ones without shipping bytes; a
+destination checks its committed tensors bit for bit against `layouts.materialize(dst_shard,
+canon)`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.testing.weights import reference_weights
 
 _SIGNED = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint8): np.uint8}
+SCENARIO_VERSION = "v1"
+"""The weights version a scenario's `seed` stands for (versions only matter to the demo's actors)."""
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -70,16 +74,12 @@ class Scenario:
         return len(source.coords) + len(destination.coords)
 
 
-def canonical(manifest: Manifest, seed: int, names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """Random bf16 canonical tensors as uint16 bits (normal values: no NaN payloads to worry about)."""
-    out = {}
-    for index, t in enumerate(manifest.tensors):
-        if names is not None and t.name not in names:
-            continue
-        rng = np.random.default_rng([seed, index])
-        values = rng.standard_normal(t.shape, dtype=np.float32)
-        out[t.name] = (values.view(np.uint32) >> 16).astype(np.uint16)
-    return out
+def canonical(
+    manifest: Manifest, seed: int, names: set[str] | None = None, version: str = SCENARIO_VERSION
+) -> dict[str, np.ndarray]:
+    """The seeded bf16 canonical tensors as uint16 bits: the one generator the demo, the serving
+    checker and the engine tests use too (`testing.weights`), so a scenario's bytes are the demo's."""
+    return reference_weights(manifest, seed, version, names)
 
 
 def to_torch(local: dict[str, np.ndarray], shard: RankShard) -> dict[str, torch.Tensor]:

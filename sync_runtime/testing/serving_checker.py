@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 import ray
 
 from sync_runtime.core.topology import RankCoord
-from sync_runtime.demo.cluster import DemoSetup, destination_name
-from sync_runtime.demo.weights import bits_to_torch, shard_arrays
+from sync_runtime.testing.cluster import DemoSetup, destination_name
+from sync_runtime.testing.weights import bits_to_torch, shard_arrays
 from sync_runtime.transfer import checksum_tensor, hex_digest
 
 Reading = tuple  # (version, serving, poisoned, checksums, when)

@@ -19,8 +19,8 @@ import ray
 
 import sync_runtime
 from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.demo.vllm_models import MAX_TOKENS, PROMPTS
 from sync_runtime.schema.crd import DeploymentRef, Parallelism, Transport, WeightSyncSpec
+from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
 
 Generation = list[dict[str, list]]
 """One replica's answer to PROMPTS: per prompt {"token_ids": [...], "logprobs": [...]}."""

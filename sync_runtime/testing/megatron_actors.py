@@ -20,10 +20,10 @@ import torch.distributed as dist
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord
-from sync_runtime.demo.actors import VllmDestinationActor
 from sync_runtime.engines import megatron_cpu
 from sync_runtime.engines.megatron import MegatronSourceParticipant
 from sync_runtime.engines.megatron_convert import ExportedShard, export_shards
+from sync_runtime.testing.actors import VllmDestinationActor
 
 
 class MegatronTrainer(MegatronSourceParticipant):
@@ -52,7 +52,7 @@ class MegatronTrainer(MegatronSourceParticipant):
 
         `vocab_size` / `extra_parameter` make deliberately bad setups (tests): an unpadded
         vocabulary, or a parameter registered under a name no layout rule knows."""
-        from sync_runtime.demo.megatron_models import build_chunks, init_parallel, megatron_config
+        from sync_runtime.testing.megatron_models import build_chunks, init_parallel, megatron_config
 
         parsed = ParallelSpec.parse(spec)
         init_parallel(parsed, seed)
@@ -87,7 +87,7 @@ class MegatronTrainer(MegatronSourceParticipant):
     def step(self, version: str, seed: int = 7) -> float | None:
         """One real optimizer step (collective over the trainer's world), then name its version."""
         from sync_runtime.core.models import model_dims
-        from sync_runtime.demo.megatron_train import train_step
+        from sync_runtime.testing.megatron_train import train_step
 
         d = model_dims(self.config)
         loss = train_step(self.chunks, self.optimizer, d.vocab, d.tie_embeddings, seed=seed)

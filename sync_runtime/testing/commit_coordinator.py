@@ -1,6 +1,6 @@
 """A coordinator in its own process, killed by its own hook after the first replica committed.
 
-`python -m tests.support.commit_coordinator SETUP_JSON`: joins the Ray cluster and the store
+`python -m sync_runtime.testing.commit_coordinator SETUP_JSON`: joins the Ray cluster and the store
 named in the JSON, runs one sync of `version`, and `os._exit(KILLED)` right after replica
 `kill_after_replica` was settled (its ranks committed), before the next replica commits: what a
 runtime pod killed half way through the commit phase leaves behind.
@@ -14,11 +14,11 @@ import sys
 
 import ray
 
-from sync_runtime.demo.cluster import DemoSetup, weightsync_spec
 from sync_runtime.runtime.commit import CommitHooks
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.crd import Transport
 from sync_runtime.schema.report import NullReporter
+from sync_runtime.testing.cluster import DemoSetup, weightsync_spec
 
 KILLED = 9
 
