@@ -3,9 +3,11 @@
     weightsync plan --model kimi-k2 --src "tp=8,pp=8,dp=4,ep=32" --dst "tp=16,ep=16,replicas=8" --json
     weightsync simulate --model tiny-qwen3-moe --src "tp=2,pp=2,ep=2" --dst "tp=2,ep=2,replicas=2"
 
-Bad input (unknown preset, unparsable or impossible topology, a tensor no layout covers) prints
-one line `weightsync: error: ...` on stderr and exits 2. `simulate` exits 1 on a mismatch.
-`demo` and `run` live in modules that import Ray; they are imported only when asked for.
+Bad input to any subcommand (unknown preset, unparsable or impossible topology, a tensor no layout
+covers, a bad manifest, a bad argument) prints one line `weightsync: error: ...` on stderr and exits
+2, before anything starts. `simulate` exits 1 on a mismatch. Any other failure prints one line and
+exits 1; `--debug` (anywhere on the line) shows the traceback instead. `demo` and `run` live in
+modules that import Ray; they are imported only when asked for.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import importlib
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from sync_runtime.cli.checks import check_demo, check_run
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest, load_model_config, not_synced
@@ -31,6 +34,8 @@ SIMULATE_MAX_BYTES = 256 * MiB
 """`simulate` materialises every rank's tensors in memory: tiny models only."""
 DELEGATES = {"demo": "sync_runtime.demo.run", "run": "sync_runtime.runtime.loop"}
 """Subcommands implemented elsewhere: module with add_arguments(parser) and run(args) -> int."""
+CHECKS = {"demo": check_demo, "run": check_run}
+"""What each delegate's input must pass before its module runs (nothing started yet)."""
 USER_ERRORS = (WeightSyncError,)
 """Bad input, reported in one line with exit code 2; anything else is a bug and keeps its traceback."""
 
@@ -67,8 +72,16 @@ def _add_sync_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--relay", choices=("off", "auto", "on"), default="off", help="replica relay")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line (usage stays in --help)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description="Move LLM weights from trainers to inference.")
+    parser = _Parser(prog=PROG, description="Move LLM weights from trainers to inference.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks (also accepted after COMMAND)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     plan = sub.add_parser("plan", help="plan a sync and print its figures")
     _add_sync_arguments(plan)
@@ -101,7 +114,9 @@ class _DelegateMissing(Exception):
 
 def _delegate(name: str, module: str) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
-        return int(_load(module).run(args))
+        loaded = _load(module)
+        CHECKS[name](loaded, args)
+        return int(loaded.run(args))
 
     handler.__name__ = f"cmd_{name}"
     return handler
@@ -109,22 +124,46 @@ def _delegate(name: str, module: str) -> Callable[[argparse.Namespace], int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
         parser = build_parser(argv)
         try:
             args = parser.parse_args(argv)
-        except SystemExit as e:  # argparse already printed usage and the reason
+        except SystemExit as e:  # argparse already printed its one line (or --help)
             return int(e.code or 0)
         return int(args.handler(args))
     except _DelegateMissing as e:
         return _error(str(e))
     except USER_ERRORS as e:
+        if debug:
+            raise
         return _error(str(e))
+    except KeyboardInterrupt:
+        return _error("interrupted", code=130)
+    except Exception as e:
+        if debug:
+            raise
+        cause = _user_cause(e)
+        if cause is not None:  # bad input found inside a Ray actor: still the user's line
+            return _error(str(cause))
+        return _error(f"{type(e).__name__}: {e} (rerun with --debug for the traceback)", code=1)
 
 
-def _error(message: str) -> int:
+def _user_cause(error: BaseException) -> BaseException | None:
+    """A WeightSyncError this exception wraps (a Ray task error carries it as its cause)."""
+    seen = 0
+    current: BaseException | None = error
+    while current is not None and seen < 10:
+        if isinstance(current, USER_ERRORS):
+            return current
+        current, seen = current.__cause__, seen + 1
+    return None
+
+
+def _error(message: str, code: int = 2) -> int:
     print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
-    return 2
+    return code
 
 
 # ---- inputs ------------------------------------------------------------------------------------

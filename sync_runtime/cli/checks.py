@@ -1,0 +1,90 @@
+"""Input checks the CLI runs before a delegated subcommand starts anything (Ray, actors, a sync).
+
+`demo` would otherwise find an impossible topology only inside its Ray actors, half a minute
+and a remote traceback later; `run --config` would print pydantic's multi-line dump. Both are
+bad input: one line, exit 2, raised here as `InputError` and printed by `main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from sync_runtime.errors import WeightSyncError
+
+__all__ = ["InputError", "check_demo", "check_run", "describe_validation"]
+
+
+class InputError(WeightSyncError, ValueError):
+    """A bad argument or file found before anything started."""
+
+
+def check_demo(module: Any, args: argparse.Namespace) -> None:
+    """Fill the engine's defaults as `demo` will, then plan the sync: topology errors surface here."""
+    from sync_runtime.cli.main import sync_inputs
+    from sync_runtime.planner import plan_sync
+
+    if args.source == "megatron-core" and (
+        args.ray_address or args.participants_only or args.train_step or args.verify_only
+    ):
+        raise InputError(
+            "--source megatron-core runs on an embedded cluster only (no --ray-address or modes)"
+        )
+    if (args.participants_only or args.train_step or args.verify_only) and not args.ray_address:
+        raise InputError("--participants-only, --train-step and --verify-only need --ray-address")
+    if args.verify_only and not args.expect_version:
+        raise InputError("--verify-only needs --expect-version")
+    if args.timeout < 1:
+        raise InputError(f"--timeout={args.timeout}: must be >= 1 second")
+    model, src, dst = module.DEFAULTS[args.engine]
+    args.model, args.src, args.dst = args.model or model, args.src or src, args.dst or dst
+    plan_args = argparse.Namespace(
+        model=args.model,
+        src=args.src,
+        dst=[args.dst],
+        src_layout="megatron",
+        dst_layout=None,
+        gpus_per_node=8,
+        bucket_mb=64,
+        staging_mb=512,
+        max_fan_in=4,
+        relay="off",
+    )
+    inputs = sync_inputs(plan_args)
+    plan_sync(inputs.manifest, inputs.source, inputs.destinations, inputs.config)
+
+
+def check_run(module: Any, args: argparse.Namespace) -> None:
+    """The mode's required arguments, and a `--config` manifest read and validated."""
+    if args.kubernetes:
+        if not (args.namespace and args.name):
+            raise InputError("run --kubernetes needs --namespace and --name (or WEIGHTSYNC_NAMESPACE/NAME)")
+        return
+    if not args.config:
+        raise InputError("run needs --config FILE (one sync) or --kubernetes (the runtime pod)")
+    import pydantic
+    import yaml
+
+    try:
+        module.load_spec_file(args.config)
+    except OSError as e:
+        raise InputError(f"--config {args.config}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise InputError(f"--config {args.config}:{where}: not YAML: {problem}") from e
+    except pydantic.ValidationError as e:
+        raise InputError(f"--config {args.config}: {describe_validation(e)}") from e
+    except ValueError as e:
+        raise InputError(str(e)) from e
+
+
+def describe_validation(error: Any) -> str:
+    """A pydantic ValidationError as `spec.field: problem` items, joined by '; ' (no input dump)."""
+    items = []
+    for item in error.errors(include_url=False, include_input=False):
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"])
+        message = str(item["msg"]).removeprefix("Value error, ")
+        items.append(f"spec{loc}: {message}")
+    return "; ".join(items)
