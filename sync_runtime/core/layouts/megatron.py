@@ -339,18 +339,15 @@ def _layer(
     post_norm = dense["post_attention_layernorm.weight"]
     if "mlp.gate_proj.weight" in dense:
         out.full(post_norm, p + naming.dense_post_norm)
-        _fc1(
-            out, f"{p}mlp.linear_fc1.weight", dense["mlp.gate_proj.weight"], dense["mlp.up_proj.weight"], t, r
-        )
-        out.split(dense["mlp.down_proj.weight"], f"{p}mlp.linear_fc2.weight", 1, t, r)
     else:
         out.full(post_norm, f"{p}pre_mlp_layernorm.weight")
-    if "mlp.shared_experts.gate_proj.weight" in dense:
-        s = "mlp.shared_experts."
-        _fc1(
-            out, f"{p}{s}linear_fc1.weight", dense[s + "gate_proj.weight"], dense[s + "up_proj.weight"], t, r
-        )
-        out.split(dense[s + "down_proj.weight"], f"{p}{s}linear_fc2.weight", 1, t, r)
+    for sub in ("mlp.", "mlp.shared_experts."):  # dense MLP, DeepSeek's shared experts
+        for kind in ("weight", "bias"):  # mlp_bias: fc1's bias cut like its rows, fc2's bias full
+            if f"{sub}gate_proj.{kind}" in dense:
+                gate, up, down = (dense[f"{sub}{x}_proj.{kind}"] for x in ("gate", "up", "down"))
+                _fc1(out, f"{p}{sub}linear_fc1.{kind}", gate, up, t, r)
+                dim, parts, index = (1, t, r) if kind == "weight" else (0, 1, 0)
+                out.split(down, f"{p}{sub}linear_fc2.{kind}", dim, parts, index)
     if layer.experts:
         slots.append((len(out.tensors), len(out.pieces), p, layer))
     for canon, local in _FULL.items():

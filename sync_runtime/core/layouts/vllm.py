@@ -162,6 +162,10 @@ def _gate_up(out: ShardBuilder, p: str, sub: str, dense: dict[str, TensorMeta], 
     lo, hi = part(gate.shape[0], t, r)
     out.concat_rows(f"{p}{sub}gate_up_proj.weight", [(gate, lo, hi), (up, lo, hi)])
     out.split(down, f"{p}{sub}down_proj.weight", 1, t, r)
+    if f"{sub}gate_proj.bias" in dense:  # mlp_bias: column-parallel biases fused; row-parallel full
+        gate_b, up_b = dense[f"{sub}gate_proj.bias"], dense[f"{sub}up_proj.bias"]
+        out.concat_rows(f"{p}{sub}gate_up_proj.bias", [(gate_b, lo, hi), (up_b, lo, hi)])
+        out.full(dense[f"{sub}down_proj.bias"], f"{p}{sub}down_proj.bias")
 
 
 def _experts(

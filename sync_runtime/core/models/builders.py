@@ -34,10 +34,16 @@ def _t(name: str, *shape: int) -> TensorMeta:
     return TensorMeta(name, tuple(shape), DTYPE)
 
 
-def _dense_mlp(prefix: str, hidden: int, inter: int) -> Iterator[TensorMeta]:
+def _dense_mlp(prefix: str, hidden: int, inter: int, bias: bool = False) -> Iterator[TensorMeta]:
     yield _t(f"{prefix}.gate_proj.weight", inter, hidden)
+    if bias:
+        yield _t(f"{prefix}.gate_proj.bias", inter)
     yield _t(f"{prefix}.up_proj.weight", inter, hidden)
+    if bias:
+        yield _t(f"{prefix}.up_proj.bias", inter)
     yield _t(f"{prefix}.down_proj.weight", hidden, inter)
+    if bias:
+        yield _t(f"{prefix}.down_proj.bias", hidden)
 
 
 def _gqa_attention(p: str, d: ModelDims) -> Iterator[TensorMeta]:
@@ -110,7 +116,7 @@ def _layer(i: int, d: ModelDims) -> Iterator[TensorMeta]:
     if i in d.moe_layers:
         yield from _moe_mlp(p, d)
     else:
-        yield from _dense_mlp(f"{p}.mlp", d.hidden, d.intermediate)
+        yield from _dense_mlp(f"{p}.mlp", d.hidden, d.intermediate, d.mlp_bias)
     yield _t(f"{p}.input_layernorm.weight", d.hidden)
     yield _t(f"{p}.post_attention_layernorm.weight", d.hidden)
 

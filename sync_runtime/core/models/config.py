@@ -116,6 +116,8 @@ class ModelDims:
     """q/k/v projections have biases (Qwen2)."""
     qk_norm: bool = False
     """Per-head q_norm/k_norm (Qwen3)."""
+    mlp_bias: bool = False
+    """Dense MLP gate/up/down projections have biases (Llama's `mlp_bias`)."""
     num_experts: int = 0
     """E routed experts (0 for dense models)."""
     moe_intermediate: int = 0
@@ -178,14 +180,16 @@ def _gqa(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     nkv = config.get("num_key_value_heads") or base["num_heads"]
     head_dim = config.get("head_dim") or base["hidden"] // base["num_heads"]
     _refuse_flag(config, "attention_bias")
-    _refuse_flag(config, "mlp_bias")
     model_type = base["model_type"]
+    if model_type != "llama":  # only LlamaMLP reads mlp_bias
+        _refuse_flag(config, "mlp_bias")
     return {
         **base,
         "num_kv_heads": int(nkv),
         "head_dim": int(head_dim),
         "qkv_bias": model_type == "qwen2",
         "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "mlp_bias": model_type == "llama" and bool(config.get("mlp_bias")),
     }
 
 
