@@ -84,16 +84,3 @@ def test_plan_refuses_quantized_in_one_line(tmp_path: Path, capsys: pytest.Captu
     code, _, err = _cli(capsys, "plan", "--model", str(path), "--src", "tp=1", "--dst", "tp=1")
     assert code == 2
     assert err.count("\n") == 1 and "quant_method='fp8'" in err
-
-
-def test_report_carries_not_synced_in_camel_case() -> None:
-    from datetime import UTC, datetime
-
-    from sync_runtime.schema.report import SyncReport, SyncResult
-
-    now = datetime.now(UTC)
-    lines = not_synced(load_model_config("deepseek-v3"))
-    report = SyncReport(
-        version="v1", started_at=now, finished_at=now, result=SyncResult.SUCCEEDED, not_synced=lines
-    )
-    assert report.model_dump(by_alias=True)["notSynced"] == lines

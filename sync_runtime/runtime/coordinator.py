@@ -24,7 +24,6 @@ from datetime import UTC, datetime
 import ray
 
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import not_synced
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import Role
 from sync_runtime.errors import (
@@ -86,7 +85,6 @@ class _Attempt:
     recovered: list[str] = dataclasses.field(default_factory=list)
     dests: list[Dest] = dataclasses.field(default_factory=list)
     delta: DeltaSync = dataclasses.field(default_factory=DeltaSync)
-    not_synced: list[str] = dataclasses.field(default_factory=list)
 
 
 class Coordinator:
@@ -198,7 +196,6 @@ class Coordinator:
     def _plan(
         self, manifest: Manifest, sides: Sequence[DiscoveredSide], digest: str, att: _Attempt
     ) -> Session:
-        att.not_synced = not_synced(manifest.config)
         if self._session is not None and self._session.topology_digest == digest:
             # Same actors (the digest covers actor ids); take their fresh metas (group health).
             self._session.participants = tuple(p for s in sides for p in s.participants)
@@ -392,7 +389,6 @@ class Coordinator:
             relay=plan.relay if plan else False,
             replicas=att.replicas,
             recovered=att.recovered,
-            not_synced=att.not_synced,
             **att.delta.fields(),
         )
 

@@ -90,8 +90,6 @@ class SyncReport(WireModel):
     """Per destination replica after the commit (or the recovery that preceded a failed sync)."""
     recovered: list[str] = []
     """What this sync finished of an earlier, interrupted one (roll forward / back)."""
-    not_synced: list[str] = []
-    """Parts of the checkpoint the manifest leaves out (e.g. DeepSeek's MTP layers), one line each."""
     encoding: Literal["full", "delta", "mixed"] = "full"
     """How the destination ranks took this sync: all in full, all as deltas, or some of each."""
     wire_bytes: int = 0
