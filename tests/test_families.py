@@ -85,8 +85,33 @@ def test_mlp_bias_refused_where_the_model_has_none() -> None:
         build_manifest(load_model_config("tiny-qwen2") | {"mlp_bias": True})
 
 
+@pytest.mark.parametrize(("layout", "spec"), [(lay, s) for lay, specs in GRID.items() for s in specs])
+def test_glm4_moe_round_trip(layout: str, spec: str) -> None:
+    assert_round_trip(layout, build_manifest(load_model_config("tiny-glm4-moe")), ParallelSpec.parse(spec))
+
+
+def test_glm4_moe_names_per_layout() -> None:
+    # q/k/v biases (attention_bias), q/k norms, DeepSeek-style MoE after one dense layer.
+    m = build_manifest(load_model_config("tiny-glm4-moe"))
+    names = {t.name for t in m.tensors}
+    assert L0 + "mlp.gate_proj.weight" in names and L0 + "self_attn.q_proj.bias" in names
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in names
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    assert not any(n.endswith("o_proj.bias") for n in names)
+    vllm = get_layout("vllm").shard(m, ParallelSpec(tp=2), RankCoord(role=Role.DESTINATION, tp_rank=0))
+    local = {t.name: t.shape for t in vllm.tensors}
+    assert local["model.layers.1.self_attn.qkv_proj.bias"] == ((4 + 2 + 2) * 16,)
+    assert local["model.layers.1.mlp.shared_experts.gate_up_proj.weight"] == (32, 64)
+    assert local["model.layers.1.mlp.experts.routed_experts.w13_weight"] == (8, 32, 64)
+    mg = get_layout("megatron").shard(m, ParallelSpec(tp=2), RankCoord(role=Role.SOURCE))
+    local = {t.name: t.shape for t in mg.tensors}
+    assert local["decoder.layers.1.self_attention.linear_qkv.bias"] == (128,)
+    assert local["decoder.layers.1.mlp.router.expert_bias"] == (8,)
+
+
 REAL = [
     ("mixtral-8x7b", "tp=4,pp=4,dp=2,ep=8", "tp=8,ep=8"),
+    ("glm-4.5-air", "tp=4,pp=2,dp=4,ep=8", "tp=8,ep=8"),
 ]
 
 

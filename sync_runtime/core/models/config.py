@@ -1,4 +1,4 @@
-"""Reading a model's config.json into typed dimensions (DESIGN 3).
+"""Reading a model's config.json into typed dimensions (design §3).
 
 `ModelDims` is the one place that interprets config fields; the manifest builders and the
 layouts both read it, so a field is never parsed twice with different defaults.
@@ -24,6 +24,7 @@ _ARCH_FAMILY: dict[str, str] = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "MixtralForCausalLM": "mixtral",
+    "Glm4MoeForCausalLM": "glm4_moe",
 }
 _TYPE_FAMILY: dict[str, str] = {
     "llama": "llama",
@@ -33,8 +34,9 @@ _TYPE_FAMILY: dict[str, str] = {
     "deepseek_v3": "deepseek_v3",
     "kimi_k2": "deepseek_v3",
     "mixtral": "mixtral",
+    "glm4_moe": "glm4_moe",
 }
-FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3", "mixtral")
+FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe")
 
 MOE_CHECKPOINT_NAMES: dict[str, tuple[str, dict[str, str]]] = {
     # family -> (its MoE block's module name, {per-expert checkpoint suffix: canonical suffix}).
@@ -93,7 +95,7 @@ def model_family(config: dict[str, Any]) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelDims:
-    """The dimensions of a supported model, named as in DESIGN 3's notation."""
+    """The dimensions of a supported model, named as in design §3's notation."""
 
     family: str
     model_type: str
@@ -156,7 +158,7 @@ def _pos_int(config: dict[str, Any], field: str) -> int:
 
 
 def _refuse_flag(config: dict[str, Any], field: str) -> None:
-    # o_proj / MLP biases would need row-parallel bias rules no layout of DESIGN 4 defines.
+    # o_proj / MLP biases would need row-parallel bias rules no layout of design §4 defines.
     if config.get(field):
         raise ModelConfigError(f"{config.get('model_type')}: {field}=true is not supported (no layout rule)")
 
@@ -215,6 +217,25 @@ def _mixtral(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "num_experts": _pos_int(config, "num_local_experts"),
         "moe_intermediate": base["intermediate"],
         "moe_layers": frozenset(range(base["num_layers"])),
+    }
+
+
+def _glm4_moe(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    # GQA attention whose attention_bias means q/k/v biases only (o_proj has none), optional
+    # qk norm; DeepSeek-style MoE (shared experts, router bias always present) after
+    # first_k_dense_replace dense layers. Partial rotary changes no weight.
+    dims = _gqa({**config, "attention_bias": False}, base)
+    moe_inter = _pos_int(config, "moe_intermediate_size")
+    first_dense = int(config.get("first_k_dense_replace") or 0)
+    return {
+        **dims,
+        "qkv_bias": bool(config.get("attention_bias")),
+        "qk_norm": bool(config.get("use_qk_norm")),
+        "num_experts": _pos_int(config, "n_routed_experts"),
+        "moe_intermediate": moe_inter,
+        "shared_intermediate": moe_inter * int(config.get("n_shared_experts") or 0),
+        "moe_layers": frozenset(range(first_dense, base["num_layers"])),
+        "expert_bias": True,
     }
 
 
@@ -294,6 +315,8 @@ def model_dims(config: dict[str, Any]) -> ModelDims:
         fields = _qwen3_moe(config, base)
     elif family == "mixtral":
         fields = _mixtral(config, base)
+    elif family == "glm4_moe":
+        fields = _glm4_moe(config, base)
     else:
         fields = _deepseek_v3(config, base)
     dims = ModelDims(**fields)
