@@ -30,6 +30,7 @@ from sync_runtime.testing.vllm_deploy import (
     wait_ready,
 )
 from sync_runtime.testing.vllm_models import CONFIGS, MAX_TOKENS, PROMPTS, write_model
+from tests.support.vllm_oracle import finish_oracles, start_oracles
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +105,8 @@ def deploy(
 ) -> Iterator[Deployment]:
     """Sources at v1 holding `model` (a CONFIGS key), dummy-weight engines, and reference engines
     loaded from the checkpoint of `version`; the references generate `reference_calls` times,
-    report their kernel checksums and are stopped before the body runs. `silent_references` only
+    report their kernel checksums and are stopped before the body runs (or, cached for their
+    exact key, are not started at all). `silent_references` only
     report their checksums (an engine vLLM cannot generate with on CPU). Everything is stopped
     afterwards."""
     config = CONFIGS[model]
@@ -112,19 +114,16 @@ def deploy(
     ref_dir = write_model(directory, config, manifest, seed=0, version=version)
     setup = DemoSetup.create(f"{ref_dir}/config.json", src, dst, namespace=namespace, seed=0)
     started = {k: start_replica(name, namespace, ref_dir, **kw) for k, (name, kw) in engines.items()}
-    refs, silent = (
-        {k: start_replica(n, namespace, ref_dir, load_format="auto", **kw) for k, (n, kw) in args.items()}
-        for args in (references, silent_references or {})
-    )
+    # the references run only on a reference-cache miss (tests/support/vllm_oracle.py)
+    counts = {**dict.fromkeys(references, reference_calls), **dict.fromkeys(silent_references or {}, 0)}
+    oracles = start_oracles(ref_dir, namespace, {**references, **(silent_references or {})}, counts)
     try:
         create_participants(setup, src_version="v1", dst_version="-", skip=_destinations)
-        wait_ready([*started.values(), *refs.values(), *silent.values()], timeout_s=800)
-        calls = [
-            dict(zip(refs, generations(list(refs.values())), strict=True)) for _ in range(reference_calls)
-        ]
-        kernels = {k: kernel_checksums(h) for k, h in {**refs, **silent}.items()}
-        stop_replicas([*refs.values(), *silent.values()])
+        wait_ready(list(started.values()), timeout_s=800)
+        out = finish_oracles(oracles, timeout_s=800)
+        calls = [{k: out[k]["calls"][i] for k in references} for i in range(reference_calls)]
+        kernels = {k: v["kernels"] for k, v in out.items()}
         yield Deployment(setup, manifest, started, calls, kernels)
     finally:
-        stop_replicas([*started.values(), *refs.values(), *silent.values()])
+        stop_replicas([*started.values(), *oracles.started.values()])
         kill_participants(setup)
