@@ -19,11 +19,9 @@ class InputError(WeightSyncError, ValueError):
     """A bad argument or file found before anything started."""
 
 
-def check_demo(module: Any, args: argparse.Namespace) -> None:
-    """Fill the engine's defaults as `demo` will, then plan the sync: topology errors surface here."""
-    from sync_runtime.cli.main import sync_inputs
-    from sync_runtime.planner import plan_sync
-
+def check_demo(module: Any, args: argparse.Namespace) -> argparse.Namespace | None:
+    """Fill the engine's defaults as `demo` will; return the `plan` arguments of its sync, which the
+    caller plans so that topology errors surface before Ray starts."""
     if args.source == "megatron-core" and (
         args.ray_address or args.participants_only or args.train_step or args.verify_only
     ):
@@ -38,7 +36,7 @@ def check_demo(module: Any, args: argparse.Namespace) -> None:
         raise InputError(f"--timeout={args.timeout}: must be >= 1 second")
     model, src, dst = module.DEFAULTS[args.engine]
     args.model, args.src, args.dst = args.model or model, args.src or src, args.dst or dst
-    plan_args = argparse.Namespace(
+    return argparse.Namespace(
         model=args.model,
         src=args.src,
         dst=[args.dst],
@@ -50,16 +48,14 @@ def check_demo(module: Any, args: argparse.Namespace) -> None:
         max_fan_in=4,
         relay="off",
     )
-    inputs = sync_inputs(plan_args)
-    plan_sync(inputs.manifest, inputs.source, inputs.destinations, inputs.config)
 
 
-def check_run(module: Any, args: argparse.Namespace) -> None:
+def check_run(module: Any, args: argparse.Namespace) -> argparse.Namespace | None:
     """The mode's required arguments, and a `--config` manifest read and validated."""
     if args.kubernetes:
         if not (args.namespace and args.name):
             raise InputError("run --kubernetes needs --namespace and --name (or WEIGHTSYNC_NAMESPACE/NAME)")
-        return
+        return None
     if not args.config:
         raise InputError("run needs --config FILE (one sync) or --kubernetes (the runtime pod)")
     import pydantic
@@ -78,6 +74,7 @@ def check_run(module: Any, args: argparse.Namespace) -> None:
         raise InputError(f"--config {args.config}: {describe_validation(e)}") from e
     except ValueError as e:
         raise InputError(str(e)) from e
+    return None
 
 
 def describe_validation(error: Any) -> str:

@@ -115,7 +115,10 @@ class _DelegateMissing(Exception):
 def _delegate(name: str, module: str) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         loaded = _load(module)
-        CHECKS[name](loaded, args)
+        plan_args = CHECKS[name](loaded, args)
+        if plan_args is not None:  # the sync it will run, planned now: nothing has started yet
+            inputs = sync_inputs(plan_args)
+            plan_sync(inputs.manifest, inputs.source, inputs.destinations, inputs.config)
         return int(loaded.run(args))
 
     handler.__name__ = f"cmd_{name}"

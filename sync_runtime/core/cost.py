@@ -1,4 +1,4 @@
-"""Link cost model: how long a plan's rounds take on a simple network (DESIGN 5 and 9).
+"""Link cost model: how long a plan's rounds take on a simple network (design §5 and 9).
 
 Model. Rounds run one after another (a round ends when its slowest rank is done). Inside a round
 a rank sends and receives concurrently (full-duplex links), so its time is
@@ -12,7 +12,7 @@ the buckets the rank sends plus those it receives in that round. NIC and intra-n
 added rather than overlapped: a pessimistic choice that keeps the model monotone. The round's time
 is the maximum over its ranks; the plan's time is the sum over rounds.
 
-The physical floor (DESIGN 9) ignores rounds and latency: every destination rank must pull its
+The physical floor (design §8) ignores rounds and latency: every destination rank must pull its
 own bytes through its own NIC, so no plan beats max over ranks of received bytes / NIC bandwidth.
 """
 
@@ -153,5 +153,5 @@ def predict_seconds(plan: SyncPlan, cost: LinkCost | None = None) -> float:
 
 
 def floor_seconds(plan: SyncPlan, cost: LinkCost | None = None) -> float:
-    """Physical floor: the largest per-rank receive volume through one NIC (DESIGN 9)."""
+    """Physical floor: the largest per-rank receive volume through one NIC (design §8)."""
     return floor_seconds_arrays(bucket_arrays(plan), cost or LinkCost())

@@ -1,4 +1,4 @@
-"""Canonical model description: the tensors of the published Hugging Face checkpoint (DESIGN 3)."""
+"""Canonical model description: the tensors of the published Hugging Face checkpoint (design §3)."""
 
 from __future__ import annotations
 

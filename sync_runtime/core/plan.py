@@ -1,4 +1,4 @@
-"""The plan: the planner's output and the transfer engine's input (DESIGN 5).
+"""The plan: the planner's output and the transfer engine's input (design §5).
 
 Ranks are global ranks of the sync's single process group: source ranks first (in the order of
 `SyncPlan.ranks`), then destination ranks. Within a round every rank sends and receives each of

@@ -1,4 +1,4 @@
-"""Parallel topologies and rank coordinates (DESIGN.md sections 4 and 5).
+"""Parallel topologies and rank coordinates (docs/design.md, sections 4 and 5).
 
 A topology is the user's declared parallelism of one side of a sync. Coordinates of a real
 participant are reported by the participant itself; `enumerate_ranks` gives the canonical
@@ -175,7 +175,7 @@ def enumerate_ranks(spec: ParallelSpec, role: Role, gpus_per_node: int = 8) -> l
 
 
 def stage_layer_ranges(num_layers: int, pp: int, layer_counts: tuple[int, ...] | None = None) -> list[range]:
-    """Global layer range of each PP stage (DESIGN 4.1/4.2: first L % p stages get one extra layer)."""
+    """Global layer range of each PP stage (design §4.1/4.2: first L % p stages get one extra layer)."""
     if pp > num_layers:
         raise TopologyError(f"pp={pp} has more stages than the model's {num_layers} layers")
     if layer_counts is None:

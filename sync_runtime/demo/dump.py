@@ -1,4 +1,4 @@
-"""`weightsync demo --dump DIR`: the files of DESIGN 4.4, written from what the actors really hold.
+"""`weightsync demo --dump DIR`: the files of design §4.4, written from what the actors really hold.
 
 DIR/manifest.json, DIR/reference.safetensors (canonical HF names, bf16),
 DIR/destination/replica-{k}/pp{s}-tp{r}.safetensors (vLLM names, read back from each

@@ -82,7 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"destination (vllm) parallelism (default {DEFAULTS['synthetic'][2]}; vllm: {VLLM_DST})",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, version)")
-    parser.add_argument("--dump", type=Path, help="write DESIGN 4.4 files here")
+    parser.add_argument(
+        "--dump",
+        type=Path,
+        help="write manifest, reference, every destination rank's shards and the report here "
+        "(docs/design.md, section 4.4)",
+    )
     parser.add_argument("--ray-address", help="use an existing Ray cluster instead of an embedded one")
     parser.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Ray namespace of the participants")
     parser.add_argument("--src-prefix", default="trainer-", help="source actor-name prefix")

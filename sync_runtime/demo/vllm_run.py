@@ -264,7 +264,7 @@ def _generation_table(outcomes: Sequence[Outcome], ref: Generation) -> Table:
 def _dump(
     setup: DemoSetup, work: Path, report: SyncReport, outcomes: Sequence[Outcome], ref: Generation
 ) -> None:
-    """DESIGN 4.4 (minus the unreadable vLLM tensors: checksums instead) plus generation.json."""
+    """design §4.4 (minus the unreadable vLLM tensors: checksums instead) plus generation.json."""
     write_manifest(work, model_config=setup.config, src_layout="megatron", src=setup.src, dst=setup.dst)
     write_report(work, report)
     for o in outcomes:

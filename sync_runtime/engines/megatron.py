@@ -1,4 +1,4 @@
-"""A Megatron-Core trainer rank as a WeightSync source participant (DESIGN 4.2, 4.5).
+"""A Megatron-Core trainer rank as a WeightSync source participant (design §4.2).
 
     source = MegatronSource(model, hf_config)      # collectively, on every trainer rank
     self.ws_init(**source.participant_args())      # inside the Ray actor that owns the model

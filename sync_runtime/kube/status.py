@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, WeightSyncSpec
 from sync_runtime.schema.public import public_message
-from sync_runtime.schema.report import ProgressEvent, SyncReport
+from sync_runtime.schema.report import ProgressEvent, RankSummary, ReplicaState, SyncReport
 from sync_runtime.schema.status import RuntimePhase, WeightSyncStatus
 
 log = logging.getLogger("weightsync.k8s")
@@ -73,8 +73,23 @@ def report_json(report: SyncReport) -> dict[str, Any]:
 
     None values stay in as null: in a merge patch they delete what an earlier report left
     (e.g. the failure of a failed sync once a later one succeeds).
+
+    Bounded whatever the fleet's size (etcd refuses objects over 1.5 MiB; 12,288 ranks' table
+    alone was about 1.2 MB): the per-rank table becomes `rankSummary` and `ranks` is emptied (the
+    runtime's log and `--report` file keep the table); a serving replica's per-rank versions, all
+    equal to its version, are left out. What remains grows only with the replica count.
     """
-    data = report.model_dump(by_alias=True, mode="json")
+    compact = report.model_copy(
+        update={
+            "ranks": [],
+            "rank_summary": RankSummary.of(report.ranks),
+            "replicas": [
+                r.model_copy(update={"rank_versions": []}) if r.state is ReplicaState.SERVING else r
+                for r in report.replicas
+            ],
+        }
+    )
+    data = compact.model_dump(by_alias=True, mode="json")
     if data.get("failure"):
         # Tracebacks stay in the pod's log; status carries the failure's reason and last line.
         data["failure"]["message"] = public_message(data["failure"].get("message"))
@@ -195,6 +210,8 @@ class KubernetesReporter:
         self._timer = None
 
     def finished(self, report: SyncReport) -> None:
+        # The full report (per-rank table included) goes to the log; status keeps it bounded.
+        log.info("sync report: %s", report.model_dump_json(by_alias=True))
         with self._lock:
             self._drop_pending()
             self._patch(finished_patch(report, self._now(), self.pod_name, self.pod_uid), attempts=3)

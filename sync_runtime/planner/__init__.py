@@ -1,4 +1,4 @@
-"""The planner (DESIGN 5): a pure function from manifest and topologies to a `SyncPlan`.
+"""The planner (design §5): a pure function from manifest and topologies to a `SyncPlan`.
 
 Modules, one concern each: `config` (inputs), `refine` (box geometry, source cells), `needs`
 (destination regions), `senders` (choice among identical copies), `schedule` (buckets, rounds),

@@ -1,4 +1,4 @@
-"""`plan_sync`: manifest + source side + destination sides -> SyncPlan (DESIGN 5). Pure, no I/O.
+"""`plan_sync`: manifest + source side + destination sides -> SyncPlan (design §5). Pure, no I/O.
 
 Steps: shard every source rank and index its pieces into disjoint source cells (alternative
 holders per cell); shard each destination position once per distinct (layout, spec) and cut it

@@ -1,4 +1,4 @@
-"""The runtime's JSON report (DESIGN 6) and progress events: the one wire format shared by the
+"""The runtime's JSON report (design §6) and progress events: the one wire format shared by the
 runtime and the operator besides the CRD. Serialised camelCase (`model_dump(by_alias=True)`),
 so the operator can copy a summary into the CR's status without renaming.
 
@@ -45,6 +45,35 @@ class RankBytes(WireModel):
     recv_bytes: int
 
 
+class RankSummary(WireModel):
+    """The per-rank table in brief, of a size that does not grow with the fleet: what the CR's
+    status keeps (the full table stays in the report file and the runtime's log)."""
+
+    count: int = 0
+    max_send_bytes: int = 0
+    mean_send_bytes: float = 0.0
+    max_recv_bytes: int = 0
+    mean_recv_bytes: float = 0.0
+    busiest_sender: str | None = None
+    busiest_receiver: str | None = None
+
+    @classmethod
+    def of(cls, ranks: list[RankBytes]) -> RankSummary:
+        if not ranks:
+            return cls()
+        sender = max(ranks, key=lambda r: r.send_bytes)
+        receiver = max(ranks, key=lambda r: r.recv_bytes)
+        return cls(
+            count=len(ranks),
+            max_send_bytes=sender.send_bytes,
+            mean_send_bytes=sum(r.send_bytes for r in ranks) / len(ranks),
+            max_recv_bytes=receiver.recv_bytes,
+            mean_recv_bytes=sum(r.recv_bytes for r in ranks) / len(ranks),
+            busiest_sender=sender.name,
+            busiest_receiver=receiver.name,
+        )
+
+
 class ReplicaState(StrEnum):
     SERVING = "Serving"
     """Every rank holds one complete version and the replica serves it."""
@@ -80,6 +109,8 @@ class SyncReport(WireModel):
     throughput_bytes_per_second: float = 0.0
     stages: StageSeconds = StageSeconds()
     ranks: list[RankBytes] = []
+    rank_summary: RankSummary | None = None
+    """Set where `ranks` is left out (the CR's status): the table in brief."""
     plan_digest: str = ""
     plan_cached: bool = False
     """True when the plan and process group from an earlier sync were reused (warm path)."""

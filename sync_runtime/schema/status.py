@@ -83,7 +83,7 @@ class FailureSummary(StatusModel):
 
 
 class LastSync(StatusModel):
-    """Summary of the last finished sync's report (DESIGN 6): the part of report.SyncReport the
+    """Summary of the last finished sync's report (design §6): the part of report.SyncReport the
     CR's status keeps (no per-rank list, which grows with the fleet), read tolerantly."""
 
     version: str

@@ -15,7 +15,7 @@ from sync_runtime.runtime.participant import WeightSyncParticipant
 
 
 class MegatronSourceActor(WeightSyncParticipant):
-    """A source rank holding Megatron-named shards (DESIGN 4.2). Wrap with `ray.remote`."""
+    """A source rank holding Megatron-named shards (design §4.2). Wrap with `ray.remote`."""
 
     def __init__(
         self,
@@ -43,7 +43,7 @@ class MegatronSourceActor(WeightSyncParticipant):
 
 
 class VllmDestinationActor(WeightSyncParticipant):
-    """A destination rank holding vLLM-named shards (DESIGN 4.1) in `DestinationWeights`."""
+    """A destination rank holding vLLM-named shards (design §4.1) in `DestinationWeights`."""
 
     def __init__(
         self, coord: RankCoord, tensors: Mapping[str, torch.Tensor], *, version: str | None = None

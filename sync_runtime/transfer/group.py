@@ -8,7 +8,7 @@ needs only a store, a rank and a size, and lives and dies with this class. Every
 sits under `weightsync/<group_name>/<generation>/`, so several WeightSyncs (and successive
 reconnects of one) share the coordinator's TCPStore without colliding.
 
-The store also carries the sync's control plane (DESIGN 2.6): the plan digest every rank must
+The store also carries the sync's control plane (design §2.6): the plan digest every rank must
 agree on, the first failure of a sync (`failed`, a SyncFailure as JSON, so a peer reads back who
 failed and why as fields), and the end-of-sync decision (`end`).
 """

@@ -1,4 +1,4 @@
-"""Destination staging: where a sync's bytes wait for the collective decision (DESIGN 2.5).
+"""Destination staging: where a sync's bytes wait for the collective decision (design §2.5).
 
 Three policies, chosen per WeightSync (`spec.transport.staging`):
 - `host` (default): staging lives in host memory (pinned when the live tensors are on CUDA) and

@@ -1,4 +1,4 @@
-"""The two-phase commit record of one sync, kept in the coordinator's TCPStore (DESIGN 2.5).
+"""The two-phase commit record of one sync, kept in the coordinator's TCPStore (design §2.5).
 
 Keys, all under `weightsync-txn/<txn>/` (`txn` is handed to the ranks over the coordinator's
 control channel, with a random part, like the group name: a client that can reach the store's

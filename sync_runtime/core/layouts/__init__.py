@@ -1,4 +1,4 @@
-"""Layout conventions (DESIGN 4) as data: `get_layout("megatron" | "megatron-te" | "vllm" | "hf")`."""
+"""Layout conventions (design §4) as data: `get_layout("megatron" | "megatron-te" | "vllm" | "hf")`."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ EXPERT_SUFFIXES = frozenset({"gate_proj.weight", "up_proj.weight", "down_proj.we
 
 
 def part(n: int, t: int, r: int) -> Range:
-    """The r-th of t contiguous parts of range(n) (DESIGN 4: `[r*n/t, (r+1)*n/t)`)."""
+    """The r-th of t contiguous parts of range(n) (design §4: `[r*n/t, (r+1)*n/t)`)."""
     return (r * n // t, (r + 1) * n // t)
 
 
@@ -36,7 +36,7 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def kv_head_range(nkv: int, t: int, r: int) -> Range:
-    """KV heads of TP rank r (DESIGN 4.1): r-th of t when t <= nkv, else the single head r // (t // nkv)."""
+    """KV heads of TP rank r (design §4.1): r-th of t when t <= nkv, else the single head r // (t // nkv)."""
     if t <= nkv:
         return part(nkv, t, r)
     head = r // (t // nkv)

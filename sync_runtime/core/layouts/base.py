@@ -68,7 +68,7 @@ class RankShard:
 
 
 class Layout(Protocol):
-    """A named layout convention (DESIGN 4): `megatron`, `vllm` or `hf`."""
+    """A named layout convention (design §4): `megatron`, `vllm` or `hf`."""
 
     name: str
 

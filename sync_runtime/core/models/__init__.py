@@ -1,4 +1,4 @@
-"""Model manifests from config.json (DESIGN 3).
+"""Model manifests from config.json (design §3).
 
 Families: llama (Llama 3, Qwen2, Qwen3), qwen3_moe, deepseek_v3 (also Kimi-K2), mixtral.
 """
