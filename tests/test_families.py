@@ -109,15 +109,46 @@ def test_glm4_moe_names_per_layout() -> None:
     assert local["decoder.layers.1.mlp.router.expert_bias"] == (8,)
 
 
+@pytest.mark.parametrize(
+    ("layout", "spec"),
+    [(lay, s) for lay, specs in DENSE_GRID.items() if lay in ("vllm", "hf") for s in specs],
+)
+def test_gemma3_round_trip(layout: str, spec: str) -> None:
+    m = build_manifest(load_model_config("tiny-gemma3"))
+    parsed = ParallelSpec.parse(spec)
+    try:
+        get_layout(layout).validate(m, parsed)
+    except LayoutError as e:
+        assert "layer_counts" in str(e), str(e)  # the 2-layer grid points (layers=1+1)
+        return
+    assert_round_trip(layout, m, parsed)
+
+
+def test_gemma3_names_and_megatron_refusal() -> None:
+    m = build_manifest(load_model_config("tiny-gemma3"))
+    vllm = get_layout("vllm").shard(m, ParallelSpec(tp=2), RankCoord(role=Role.DESTINATION))
+    local = {t.name: t.shape for t in vllm.tensors}
+    for norm in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "self_attn.q_norm"):
+        assert L0 + norm + ".weight" in local
+    assert "lm_head.weight" not in local  # tied, pp=1
+    with pytest.raises(LayoutError, match="gemma3_text"):
+        get_layout("megatron").validate(m, ParallelSpec(tp=2))
+
+
 REAL = [
-    ("mixtral-8x7b", "tp=4,pp=4,dp=2,ep=8", "tp=8,ep=8"),
-    ("glm-4.5-air", "tp=4,pp=2,dp=4,ep=8", "tp=8,ep=8"),
+    ("mixtral-8x7b", "megatron", "tp=4,pp=4,dp=2,ep=8", "tp=8,ep=8"),
+    ("glm-4.5-air", "megatron", "tp=4,pp=2,dp=4,ep=8", "tp=8,ep=8"),
+    # No Megatron-Core layer spec holds Gemma 3's sandwich norms: an HF-layout (FSDP-style) source.
+    ("gemma-3-27b", "hf", "tp=8,pp=2", "tp=8"),
 ]
 
 
-@pytest.mark.parametrize(("preset", "src", "dst"), REAL)
-def test_real_config_plans_at_the_lower_bound(preset: str, src: str, dst: str, capsys) -> None:
-    code = cli.main(["plan", "--model", preset, "--src", src, "--dst", dst, "--json"])
+@pytest.mark.parametrize(("preset", "src_layout", "src", "dst"), REAL)
+def test_real_config_plans_at_the_lower_bound(
+    preset: str, src_layout: str, src: str, dst: str, capsys
+) -> None:
+    argv = ["plan", "--model", preset, "--src-layout", src_layout, "--src", src, "--dst", dst, "--json"]
+    code = cli.main(argv)
     out = capsys.readouterr()
     assert code == 0, out.err
     summary = json.loads(out.out)

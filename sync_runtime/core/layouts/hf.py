@@ -1,7 +1,7 @@
-"""The `hf` layout (DESIGN 4.3): canonical names, full tensors, or TP-sharded unfused tensors.
+"""The `hf` layout (design §4.3): canonical names, full tensors, or TP-sharded unfused tensors.
 
 tp == 1: every rank of a replica holds its stage's tensors whole (exact canonical shapes, no
-vocab padding). tp > 1: the column/row rules of DESIGN 4.1 applied to the unfused tensors:
+vocab padding). tp > 1: the column/row rules of design §4.1 applied to the unfused tensors:
 q/k/v (KV heads replicated when tp > nkv), gate/up, q_b/kv_b are split by rows; o_proj and
 down projections by columns; embedding and lm_head by rows over V padded to a multiple of 64
 (padding rows uncovered, i.e. zero); everything else is a full copy. Routed experts: with
@@ -63,6 +63,8 @@ RULES: dict[str, str] = {
     "mlp.shared_experts.down_proj.weight": "row",
     "input_layernorm.weight": "full",
     "post_attention_layernorm.weight": "full",
+    "pre_feedforward_layernorm.weight": "full",
+    "post_feedforward_layernorm.weight": "full",
 }
 
 

@@ -1,9 +1,9 @@
-"""The `megatron` and `megatron-te` layouts (DESIGN 4.2, corrected to Megatron-Core 0.19.2), source side.
+"""The `megatron` and `megatron-te` layouts (design §4.2, corrected to Megatron-Core 0.19.2), source side.
 
 TP t, PP p (+ VPP v), DP, EP ep, ETP etp. Names are those of a live `GPTModel.named_parameters()`
 (plus the persistent buffer `mlp.router.expert_bias`), with local layer indices j inside each
 model chunk. Two naming schemes, one per layout, because the spec a model is built with decides
-its names (DESIGN 4.5; the engine reports which one it holds):
+its names (the engine reports which one it holds):
 - `megatron`: the local spec (`get_gpt_layer_local_spec` / `get_gpt_decoder_block_spec(
   use_transformer_engine=False)`), the one that runs without Transformer Engine. Norms are
   modules of their own: `input_layernorm.weight`, `pre_mlp_layernorm.weight` (dense AND MoE
@@ -185,6 +185,8 @@ def _divisible(n: int, t: int, subject: str, what: str, layout: str) -> None:
 
 def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
     d, t, name = view.dims, spec.tp, naming.layout
+    # Megatron-Core's GPT layer specs have no norm after attention and after the MLP (Gemma 3).
+    require(not d.sandwich_norms, name, d.model_type, "no Megatron-Core layer spec holds Gemma 3's norms")
     try:
         chunk_ranges(d.num_layers, spec)
     except TopologyError as e:

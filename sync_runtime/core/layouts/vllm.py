@@ -1,4 +1,4 @@
-"""The `vllm` layout (DESIGN 4.1), destination side, per replica: TP size t, PP size p, EP = t or off.
+"""The `vllm` layout (design §4.1), destination side, per replica: TP size t, PP size p, EP = t or off.
 
 Fused tensors and their order, as vLLM's loaders build them (`stacked_params_mapping`):
 - `self_attn.qkv_proj.{weight,bias}` = [q heads r-th of t; k heads; v heads], KV heads
@@ -62,6 +62,8 @@ def _moe_local(view: ModelView, suffix: str) -> str:
 _FULL = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
+    "pre_feedforward_layernorm.weight",
+    "post_feedforward_layernorm.weight",
     "self_attn.q_norm.weight",
     "self_attn.k_norm.weight",
     "self_attn.q_a_layernorm.weight",

@@ -1,4 +1,4 @@
-"""config.json -> `Manifest`: the tensors of the published Hugging Face checkpoint (DESIGN 3).
+"""config.json -> `Manifest`: the tensors of the published Hugging Face checkpoint (design §3).
 
 Names and shapes follow the safetensors files as stored (per-expert MoE tensors). Every tensor
 has the config's dtype (`dtype`, or `torch_dtype`; bfloat16 when neither is given) unless the
@@ -119,6 +119,9 @@ def _layer(i: int, d: ModelDims) -> Iterator[TensorMeta]:
         yield from _dense_mlp(f"{p}.mlp", d.hidden, d.intermediate, d.mlp_bias)
     yield _t(f"{p}.input_layernorm.weight", d.hidden)
     yield _t(f"{p}.post_attention_layernorm.weight", d.hidden)
+    if d.sandwich_norms:
+        yield _t(f"{p}.pre_feedforward_layernorm.weight", d.hidden)
+        yield _t(f"{p}.post_feedforward_layernorm.weight", d.hidden)
 
 
 def tensors_of(d: ModelDims) -> Iterator[TensorMeta]:

@@ -25,6 +25,7 @@ _ARCH_FAMILY: dict[str, str] = {
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "MixtralForCausalLM": "mixtral",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 _TYPE_FAMILY: dict[str, str] = {
     "llama": "llama",
@@ -35,8 +36,9 @@ _TYPE_FAMILY: dict[str, str] = {
     "kimi_k2": "deepseek_v3",
     "mixtral": "mixtral",
     "glm4_moe": "glm4_moe",
+    "gemma3_text": "gemma3_text",
 }
-FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe")
+FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe", "gemma3_text")
 
 MOE_CHECKPOINT_NAMES: dict[str, tuple[str, dict[str, str]]] = {
     # family -> (its MoE block's module name, {per-expert checkpoint suffix: canonical suffix}).
@@ -120,6 +122,8 @@ class ModelDims:
     """Per-head q_norm/k_norm (Qwen3)."""
     mlp_bias: bool = False
     """Dense MLP gate/up/down projections have biases (Llama's `mlp_bias`)."""
+    sandwich_norms: bool = False
+    """pre_feedforward_layernorm and post_feedforward_layernorm around the MLP (Gemma 3)."""
     num_experts: int = 0
     """E routed experts (0 for dense models)."""
     moe_intermediate: int = 0
@@ -190,7 +194,8 @@ def _gqa(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
         "num_kv_heads": int(nkv),
         "head_dim": int(head_dim),
         "qkv_bias": model_type == "qwen2",
-        "qk_norm": model_type in ("qwen3", "qwen3_moe"),
+        "qk_norm": model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+        "sandwich_norms": model_type == "gemma3_text",
         "mlp_bias": model_type == "llama" and bool(config.get("mlp_bias")),
     }
 
@@ -309,7 +314,7 @@ def model_dims(config: dict[str, Any]) -> ModelDims:
     refuse_quantized(config)
     family = model_family(config)
     base = _common(config, family)
-    if family == "llama":
+    if family in ("llama", "gemma3_text"):
         fields = _gqa(config, base)
     elif family == "qwen3_moe":
         fields = _qwen3_moe(config, base)
