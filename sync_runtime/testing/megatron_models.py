@@ -19,6 +19,7 @@ from sync_runtime.core.layouts.megatron import VOCAB_MULTIPLE_PER_TP
 from sync_runtime.core.models import ModelDims, model_dims
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines import megatron_cpu
+from sync_runtime.errors import TopologyError
 
 
 def init_parallel(spec: ParallelSpec, seed: int) -> None:
@@ -63,6 +64,20 @@ def _moe(d: ModelDims, config: Mapping[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def stage_sizes(spec: ParallelSpec) -> dict[str, int]:
+    """Explicit uneven PP stages as Megatron-Core's own settings: a first and a last stage size,
+    the stages between equal (TopologyError for any other split)."""
+    counts = spec.layer_counts
+    if not counts or len(set(counts)) == 1:
+        return {}
+    if len(set(counts[1:-1])) > 1:
+        raise TopologyError(
+            f"layers={'+'.join(map(str, counts))}: Megatron-Core sets a first and a last stage "
+            "size, the stages between hold equal counts"
+        )
+    return {"num_layers_in_first_pipeline_stage": counts[0], "num_layers_in_last_pipeline_stage": counts[-1]}
+
+
 def megatron_config(
     config: Mapping[str, Any], spec: ParallelSpec, dtype: torch.dtype = torch.float32, init_std: float = 0.02
 ) -> Any:
@@ -90,6 +105,7 @@ def megatron_config(
         "tensor_model_parallel_size": spec.tp,
         "pipeline_model_parallel_size": spec.pp,
         "virtual_pipeline_model_parallel_size": spec.vpp if spec.vpp > 1 else None,
+        **stage_sizes(spec),
         "expert_model_parallel_size": spec.ep,
         "expert_tensor_parallel_size": spec.etp,
         "init_method_std": init_std,
