@@ -44,6 +44,7 @@ class Case:
     dst: str
     targets: bool = False
     """Check the issue's targets on this case."""
+    src_layout: str = "megatron"
 
 
 CASES = [
@@ -63,6 +64,10 @@ CASES = [
     ),
     Case("llama-3-70b", "llama-3-70b", "tp=8,pp=4,dp=2", "tp=8,replicas=4"),
     Case("llama-24h tp6->4", "LLAMA_24_HEADS", "tp=6,pp=2,dp=2", "tp=4,replicas=4"),
+    Case("mixtral-8x7b", "mixtral-8x7b", "tp=4,pp=4,dp=2,ep=8", "tp=8,ep=8,replicas=2"),
+    Case("glm-4.5-air", "glm-4.5-air", "tp=4,pp=2,dp=4,ep=8", "tp=8,ep=8,replicas=2"),
+    # No Megatron-Core layer spec holds Gemma 3's sandwich norms: an HF-layout (FSDP-style) source.
+    Case("gemma-3-27b (hf src)", "gemma-3-27b", "tp=8,pp=2,dp=2", "tp=8,replicas=4", src_layout="hf"),
 ]
 TARGET_PLAN_SECONDS, TARGET_RATIO, TARGET_BALANCE = 5.0, 1.2, 1.10
 COLUMNS = (
@@ -88,7 +93,8 @@ def run_case(case: Case, relay: str, workdir: Path) -> dict:
         path = workdir / "llama-24-heads.json"
         path.write_text(json.dumps(LLAMA_24_HEADS))
         model = str(path)
-    argv = ["plan", "--model", model, "--src", case.src, "--dst", case.dst, "--relay", relay, "--json"]
+    argv = ["plan", "--model", model, "--src-layout", case.src_layout, "--src", case.src, "--dst", case.dst]
+    argv += ["--relay", relay, "--json"]
     code = "import sys; from sync_runtime.cli.main import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
     if out.returncode != 0:
