@@ -226,7 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_sync(inputs.manifest, inputs.source, inputs.destinations, inputs.config)
     summary = plan_summary(inputs, plan)
     if args.plot:
-        write_heatmap(plan, args.plot)
+        write_heatmap(plan, args.plot, title=heatmap_title(summary, args.model))
     if args.json:
         print(json.dumps(summary, sort_keys=True))
     else:
@@ -291,14 +291,29 @@ def print_table(summary: dict[str, Any], model: str, plot: str | None) -> None:
     Console().print(table)
 
 
-def write_heatmap(plan: SyncPlan, path: str) -> None:
-    """Bytes per (sender, receiver) as an image: senders on rows, receivers on columns."""
+def rank_label(coord: RankCoord) -> str:
+    """Which rank this is, for a plot's axis: source pp/dp/tp block, destination replica/pp/tp."""
+    if coord.role is Role.SOURCE:
+        return f"pp{coord.pp_rank} dp{coord.dp_rank} tp{coord.tp_rank}"
+    deployment = coord.node.split("-")[0].removeprefix("destination")  # "" or the --dst index
+    stage = f" pp{coord.pp_rank}" if coord.pp_rank else ""
+    return f"{'d' + deployment + ' ' if deployment else ''}r{coord.replica}{stage} tp{coord.tp_rank}"
+
+
+def heatmap_title(summary: dict[str, Any], model: str) -> str:
+    """`--model` as given (preset or path) with its family, then both sides' topologies."""
+    sides = f"{summary['source']} -> {', '.join(summary['destinations'])}"
+    return f"{model} ({summary['model']}): {sides}"
+
+
+def write_heatmap(plan: SyncPlan, path: str, title: str = "") -> tuple[list[str], list[str]]:
+    """Bytes per (sender, receiver) as an image: senders on rows, receivers on columns, each tick
+    naming the global rank and its place in its side's topology. Returns (row, column) tick labels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     n = len(plan.ranks)
     matrix = np.zeros((n, n))
@@ -308,23 +323,31 @@ def write_heatmap(plan: SyncPlan, path: str) -> None:
     senders = np.flatnonzero(matrix.sum(axis=1))
     receivers = np.flatnonzero(matrix.sum(axis=0))
     scale, unit = (2**30, "GiB") if matrix.max() >= 2**30 else (2**20, "MiB")
-    fig, ax = plt.subplots(figsize=(8, 6))
+    fig, ax = plt.subplots(figsize=(10, 8))
     image = ax.imshow(
         matrix[np.ix_(senders, receivers)] / scale, aspect="auto", cmap="viridis", interpolation="nearest"
     )
-    for axis, ranks in ((ax.xaxis, receivers), (ax.yaxis, senders)):
-        # Axes index the ranks that send (receive) anything; label ticks with their global rank.
-        axis.set_major_locator(MaxNLocator(nbins=12, integer=True))
-        axis.set_major_formatter(
-            FuncFormatter(lambda x, _, r=ranks: str(r[int(x)]) if 0 <= x < len(r) else "")
-        )
-    ax.set_xlabel("receiving rank (global)")
-    ax.set_ylabel("sending rank (global)")
-    ax.set_title(f"bytes per pair, {len(plan.rounds)} rounds" + (" (relay)" if plan.relay else ""))
+    labels = []
+    for set_ticks, set_labels, ranks in (
+        (ax.set_yticks, ax.set_yticklabels, senders),
+        (ax.set_xticks, ax.set_xticklabels, receivers),
+    ):
+        # At most ~32 ticks stay readable; each names the global rank and its coordinates.
+        ticks = list(range(0, len(ranks), max(1, -(-len(ranks) // 32))))
+        text = [f"{ranks[i]}: {rank_label(plan.ranks[int(ranks[i])])}" for i in ticks]
+        set_ticks(ticks)
+        set_labels(text, fontsize=7)
+        labels.append(text)
+    ax.tick_params(axis="x", labelrotation=90)
+    ax.set_xlabel("receiving rank (global: replica, pp, tp)")
+    ax.set_ylabel("sending rank (global: pp, dp, tp)")
+    rounds = f"bytes per pair, {len(plan.rounds)} rounds" + (" (relay)" if plan.relay else "")
+    ax.set_title(f"{title}\n{rounds}" if title else rounds, fontsize=9)
     fig.colorbar(image, ax=ax, label=unit)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return labels[0], labels[1]
 
 
 # ---- simulate ----------------------------------------------------------------------------------
