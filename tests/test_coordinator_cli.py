@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 import yaml
 
 from sync_runtime.runtime.coordinator import Coordinator
@@ -22,22 +21,22 @@ from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     kill_participants,
-    start_local_ray,
     verify_destinations,
     weightsync_spec,
 )
+
+pytestmark = pytest.mark.e2e
 
 EXE = Path(sys.executable).parent / "weightsync"
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    address = start_local_ray(num_cpus=2)
+def deployment(local_ray: str):
+    address = local_ray
     setup = DemoSetup.create("tiny-llama", "tp=2", "tp=1,replicas=2", namespace="t-cli", seed=11)
     create_participants(setup, src_version="v1", dst_version="v0")
     yield address, setup
     kill_participants(setup)
-    ray.shutdown()
 
 
 def _write_spec(tmp_path: Path, address: str, setup: DemoSetup, **changes) -> Path:

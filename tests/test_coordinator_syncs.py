@@ -22,12 +22,13 @@ from sync_runtime.testing.cluster import (
     create_participants,
     destination_participants,
     kill_participants,
-    start_local_ray,
     train_step,
     verify_destinations,
     weightsync_spec,
 )
 from sync_runtime.testing.weights import shard_arrays, torch_to_bits
+
+pytestmark = pytest.mark.e2e
 
 # 6 heads and 6 KV heads, vocab 960: TP 3 and TP 2 are both legal on both sides (DESIGN 4.1/4.2).
 TP6_CONFIG = {
@@ -58,9 +59,8 @@ class Collect:
 
 
 @pytest.fixture(scope="module")
-def address():
-    yield start_local_ray(num_cpus=2)
-    ray.shutdown()
+def address(local_ray: str) -> str:
+    return local_ray
 
 
 @pytest.fixture(scope="module")

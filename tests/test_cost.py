@@ -8,6 +8,8 @@ from sync_runtime.core.cost import LinkCost, floor_seconds, predict_seconds
 from sync_runtime.core.plan import Bucket, Round, SyncPlan
 from sync_runtime.core.topology import RankCoord, Role
 
+pytestmark = pytest.mark.unit
+
 COST = LinkCost(nic_bytes_per_s=100.0, intra_node_bytes_per_s=1000.0, latency_s=0.5)
 
 

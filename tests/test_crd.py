@@ -21,6 +21,8 @@ from sync_runtime.schema.crd import (
 )
 from sync_runtime.schema.status import Condition, RuntimeStatus, WeightSyncStatus
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 CRD_FILE = ROOT / "crds" / "weightsyncs.weightsync.io.yaml"
 

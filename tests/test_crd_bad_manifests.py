@@ -22,6 +22,8 @@ from weightsync_operator.status import derive_status
 from sync_runtime.schema.crd import WeightSyncSpec, spec_problems
 from sync_runtime.schema.status import RestartStatus, RuntimeStatus, WeightSyncStatus
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA = yaml.safe_load((ROOT / "crds" / "weightsyncs.weightsync.io.yaml").read_text())["spec"]["versions"][
     0

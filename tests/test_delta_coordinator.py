@@ -29,7 +29,6 @@ from sync_runtime.testing.cluster import (
     create_participants,
     destination_participants,
     kill_participants,
-    start_local_ray,
     weightsync_spec,
 )
 from sync_runtime.testing.weights import DemoDestination, DemoSource
@@ -79,8 +78,8 @@ class AlterableDestination(DemoDestination):
 
 
 @pytest.fixture(scope="module")
-def env():
-    address = start_local_ray(num_cpus=2)
+def env(local_ray: str):
+    address = local_ray
     setup = DemoSetup.create(MODEL, "tp=1", "tp=1,replicas=2", namespace=NS, seed=5)  # type: ignore[arg-type]
     create_participants(
         setup, src_version="v0", dst_version="stale", max_concurrency=4,
@@ -88,7 +87,6 @@ def env():
     )  # fmt: skip
     yield {"address": address, "setup": setup}
     kill_participants(setup)
-    ray.shutdown()
 
 
 def _sync(env: dict, version: str, delta: str = "auto") -> SyncReport:

@@ -8,7 +8,6 @@ bit, what a full sync of that version leaves (the canonical weights materialized
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -53,7 +52,7 @@ def shard_tensors(shard: Any, manifest: Any, step: int) -> dict[str, torch.Tenso
 
 def connect(ctx: RankContext, suffix: str) -> SyncGroup:
     return SyncGroup.connect(
-        store_host=ctx.store_host, store_port=ctx.store_port, rank=ctx.rank, world_size=ctx.world_size,
+        store_host=ctx.store_host, store_port=ctx.store_port, rank=ctx.rank, world_size=SCENARIO.world_size,
         backend="gloo", timeout_s=20.0, group_name=ctx.group_name + suffix,
     )  # fmt: skip
 
@@ -107,10 +106,10 @@ def delta_rank(ctx: RankContext, steps: list[dict[str, Any]]) -> list[dict[str, 
     return reports
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[LocalWorld]:
-    with LocalWorld(SCENARIO.world_size) as w:
-        yield w
+@pytest.fixture
+def world(rank_pool: LocalWorld) -> LocalWorld:
+    """The session's shared rank pool (tests/conftest.py): these tests kill no rank."""
+    return rank_pool
 
 
 def _run(world: LocalWorld, steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.e2e
+
 TP = 2
 
 

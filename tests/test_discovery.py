@@ -29,10 +29,11 @@ from sync_runtime.testing.cluster import (
     destination_participants,
     kill_participants,
     source_name,
-    start_local_ray,
     weightsync_spec,
 )
 from sync_runtime.testing.weights import DemoDestination
+
+pytestmark = pytest.mark.e2e
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 MANIFEST = build_manifest(load_model_config("tiny-qwen3-moe"))
@@ -182,9 +183,8 @@ class ShortDestination(DemoDestination):
 
 
 @pytest.fixture(scope="module")
-def address():
-    yield start_local_ray(num_cpus=2)
-    ray.shutdown()
+def address(local_ray: str) -> str:
+    return local_ray
 
 
 def _refused_sync(spec: WeightSyncSpec, setup: DemoSetup, *needles: str) -> None:

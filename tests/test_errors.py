@@ -19,6 +19,8 @@ from sync_runtime.errors import (
     describe_unexpected,
 )
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

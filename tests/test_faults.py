@@ -30,13 +30,14 @@ from sync_runtime.testing.cluster import (
     create_participants,
     destination_name,
     kill_participants,
-    start_local_ray,
     train_step,
     verify_destinations,
     weightsync_spec,
 )
 from sync_runtime.testing.faults import FaultArming
 from sync_runtime.testing.weights import DemoDestination, DemoSource
+
+pytestmark = pytest.mark.e2e
 
 TIMEOUT_S = 4
 MARGIN_S = 8.0
@@ -57,8 +58,8 @@ class FaultyDestination(FaultArming, DemoDestination):
 
 
 @pytest.fixture(scope="module")
-def deployment():
-    address = start_local_ray(num_cpus=2)
+def deployment(local_ray: str):
+    address = local_ray
     setup = DemoSetup.create("tiny-llama", "tp=2", "tp=1,replicas=2", namespace="t-faults", seed=3)
     create_participants(
         setup,
@@ -79,7 +80,6 @@ def deployment():
     yield setup, coordinator
     coordinator.close()
     kill_participants(setup)
-    ray.shutdown()
 
 
 def _handles(setup: DemoSetup, role: Role):

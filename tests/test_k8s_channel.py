@@ -15,6 +15,8 @@ from sync_runtime.kube import status as k8s
 from sync_runtime.schema.report import ProgressEvent, SyncFailure, SyncReport, SyncResult, SyncStep
 from sync_runtime.schema.status import RuntimePhase, RuntimeStatus, WeightSyncStatus
 
+pytestmark = pytest.mark.unit
+
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 

@@ -20,6 +20,8 @@ from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import LayoutError
 
+pytestmark = pytest.mark.unit
+
 SRC, DST = Role.SOURCE, Role.DESTINATION
 
 

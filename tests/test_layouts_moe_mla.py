@@ -15,6 +15,8 @@ from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_
 from sync_runtime.errors import LayoutError
 from tests.test_layouts import assert_round_trip, canon_of
 
+pytestmark = pytest.mark.unit
+
 SRC, DST = Role.SOURCE, Role.DESTINATION
 L0, M0 = "model.layers.0.", "decoder.layers.0."
 E = 8  # routed experts in both tiny MoE presets

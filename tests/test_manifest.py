@@ -9,6 +9,8 @@ import pytest
 from sync_runtime.core.models import available_presets, build_manifest, load_model_config, model_dims
 from sync_runtime.errors import ModelConfigError
 
+pytestmark = pytest.mark.unit
+
 
 def manifest(preset: str, **overrides: object):
     return build_manifest({**load_model_config(preset), **overrides})

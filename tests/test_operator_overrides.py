@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from datetime import UTC, datetime
 
+import pytest
 from test_operator_reconcile import SPEC, FakePods, body
 from weightsync_operator.config import OperatorConfig, RuntimeDefaults
 from weightsync_operator.overrides import override_problems
@@ -12,6 +13,8 @@ from weightsync_operator.pod import MISSING
 from weightsync_operator.reconcile import reconcile
 
 from sync_runtime.schema.crd import WeightSyncSpec
+
+pytestmark = pytest.mark.unit
 
 NOW = datetime(2025, 1, 1, tzinfo=UTC)
 DEFAULTS = RuntimeDefaults(image="reg/weightsync:1.0", allowed_images=("reg/weightsync-debug:*",))

@@ -17,6 +17,8 @@ from weightsync_operator.pod import (
 
 from sync_runtime.schema.crd import WeightSyncSpec
 
+pytestmark = pytest.mark.unit
+
 SPEC = {
     "version": "v1",
     "source": {

@@ -17,6 +17,8 @@ from weightsync_operator.reconcile import reconcile
 
 from sync_runtime.schema.crd import WeightSyncSpec
 
+pytestmark = pytest.mark.unit
+
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 AUTH = {"name": "ray-token"}
 SPEC = {

@@ -11,6 +11,8 @@ from weightsync_operator.retry import PodAction, RetryAction, backoff_seconds, p
 from sync_runtime.schema.crd import RetryPolicy
 from sync_runtime.schema.status import RestartStatus
 
+pytestmark = pytest.mark.unit
+
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 POLICY = RetryPolicy(limit=3, backoff_seconds=10, max_backoff_seconds=25)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from weightsync_operator.conditions import ConditionUpdate, merge_conditions, safe_reason
 from weightsync_operator.pod import MISSING, PodPhase, PodState
 from weightsync_operator.retry import PodAction, PodDecision
@@ -12,6 +13,8 @@ from weightsync_operator.status import derive_status, status_patch
 from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import SyncFailure, SyncReport, SyncResult, SyncStep
 from sync_runtime.schema.status import Phase, RestartStatus, RuntimeStatus, SyncProgress, WeightSyncStatus
+
+pytestmark = pytest.mark.unit
 
 T0 = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 SPEC = WeightSyncSpec.model_validate(

@@ -20,6 +20,8 @@ from sync_runtime.planner.needs import Need
 from sync_runtime.planner.pairs import PairBook
 from sync_runtime.planner.program import CompactPrograms
 
+pytestmark = pytest.mark.unit
+
 
 def _book() -> PairBook:
     """A fresh plan's book: MoE (holder sets of several sizes), small buckets (multi-bucket pairs)."""

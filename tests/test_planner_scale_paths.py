@@ -34,6 +34,8 @@ from sync_runtime.planner import PlannerConfig, columns, lanes
 from sync_runtime.planner.refine import build_cells, build_shared_cells
 from tests.test_planner_properties import Case, run_case, side
 
+pytestmark = pytest.mark.unit
+
 
 def _random_groups(rng: random.Random) -> list[tuple[list[int], list[Piece]]]:
     """Ranks split into groups (ascending, interleaved), each holding a few boxes of two tensors."""

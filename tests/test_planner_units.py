@@ -18,6 +18,8 @@ from sync_runtime.planner.refine import SourceCell, build_cells, intersect, spli
 from sync_runtime.planner.schedule import direct_queue, pack_buckets, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
 
+pytestmark = pytest.mark.unit
+
 # ---- geometry ----------------------------------------------------------------------------------
 
 

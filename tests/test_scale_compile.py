@@ -32,6 +32,8 @@ from sync_runtime.planner.program import CompactPrograms
 from sync_runtime.planner.tables import HolderIndex
 from tests.test_scale_programs import CASES, reference_cut
 
+pytestmark = pytest.mark.unit
+
 
 def _plan(case: tuple[str, str, str, str, str], bucket: int, staging: int, relay: str) -> SyncPlan:
     model, src_layout, src, dst_layout, dst = case

@@ -18,6 +18,8 @@ from sync_runtime.core.plan import RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 
+pytestmark = pytest.mark.unit
+
 CASES = [
     ("tiny-llama", "tp=2,pp=2,dp=2", "tp=4,replicas=2"),
     ("tiny-llama-tied", "tp=2,pp=2,dp=2,layers=2+1", "tp=2,pp=2,replicas=3"),

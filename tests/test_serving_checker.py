@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sync_runtime.core.topology import Role, enumerate_ranks
 from sync_runtime.testing.cluster import DemoSetup
 from sync_runtime.testing.serving_checker import ServingChecker
+
+pytestmark = pytest.mark.unit
 
 
 def _checker() -> tuple[ServingChecker, str, str]:

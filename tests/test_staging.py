@@ -9,7 +9,6 @@ bounds against torch.cuda's own allocator figures.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -32,6 +31,8 @@ from sync_runtime.transfer import (
 )
 from sync_runtime.transfer.fence import check_fence, fingerprint, snapshot
 from sync_runtime.transfer.txn import commit_decision, parse_decision
+
+pytestmark = pytest.mark.e2e
 
 BUDGET = {"bucket_bytes": 48 * 1024, "staging_budget_bytes": 256 * 1024}
 RELAY = Scenario("tiny-llama", "tp=2", "tp=2,replicas=2", planner={**BUDGET, "relay": "on"})
@@ -129,10 +130,10 @@ def policy_rank(ctx: RankContext, scenario: Scenario, policy: str) -> dict:
     return report
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[LocalWorld]:
-    with LocalWorld(RELAY.world_size) as w:
-        yield w
+@pytest.fixture
+def world(rank_pool: LocalWorld) -> LocalWorld:
+    """The session's shared rank pool (tests/conftest.py): these tests kill no rank."""
+    return rank_pool
 
 
 @pytest.mark.parametrize("scenario", [PLAIN, RELAY], ids=["plain", "relay"])

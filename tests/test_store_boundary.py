@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 dist = pytest.importorskip("torch.distributed")
 
 from sync_runtime.runtime.coordinator import Coordinator  # noqa: E402

@@ -11,6 +11,8 @@ from sync_runtime.core.topology import (
 )
 from sync_runtime.errors import TopologyError
 
+pytestmark = pytest.mark.unit
+
 
 def test_parse_round_trip() -> None:
     spec = ParallelSpec.parse("tp=8, pp=8, dp=4, ep=32, etp=1")

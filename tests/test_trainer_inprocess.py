@@ -16,24 +16,24 @@ from sync_runtime.testing.cluster import (
     DemoSetup,
     create_participants,
     kill_participants,
-    start_local_ray,
     verify_destinations,
     weightsync_spec,
 )
 from sync_runtime.testing.weights import bits_to_torch, shard_arrays
 from sync_runtime.trainer import InProcessSync, push
 
+pytestmark = pytest.mark.e2e
+
 TRANSPORT = Transport(transfer_timeout_seconds=60, connect_timeout_seconds=60)
 
 
 @pytest.fixture(scope="module")
-def deployed():
-    address = start_local_ray(num_cpus=2)
+def deployed(local_ray: str):
+    address = local_ray
     setup = DemoSetup.create("tiny-llama", "tp=2", "tp=2,replicas=2", namespace="trainer-push", seed=5)
     create_participants(setup, src_version="v1", dst_version="v0")
     yield setup, address
     kill_participants(setup)
-    ray.shutdown()
 
 
 def train_step(setup: DemoSetup, version: str) -> None:

@@ -13,6 +13,8 @@ from sync_runtime.schema.report import SyncFailure, SyncReport, SyncResult
 from sync_runtime.trainer.errors import VersionSuperseded
 from sync_runtime.trainer.outcome import PushTracker
 
+pytestmark = pytest.mark.unit
+
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 

@@ -8,8 +8,6 @@ its wire dtype bf16 (the relay casts back when it packs).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -19,6 +17,8 @@ from sync_runtime.errors import Reason
 from sync_runtime.testing import faults
 from sync_runtime.testing.local_ranks import LocalWorld, RankContext
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
+
+pytestmark = pytest.mark.e2e
 
 WORLD = 3
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -93,10 +93,10 @@ def rank_main(ctx: RankContext, seed: int, casts: tuple, direct: int, corrupt: b
     return report
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[LocalWorld]:
-    with LocalWorld(WORLD) as w:
-        yield w
+@pytest.fixture
+def world(rank_pool: LocalWorld) -> LocalWorld:
+    """The session's shared rank pool (tests/conftest.py): these tests kill no rank."""
+    return rank_pool
 
 
 def _run(

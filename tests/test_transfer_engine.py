@@ -19,6 +19,8 @@ from sync_runtime.testing import faults
 from sync_runtime.testing.local_ranks import LocalWorld, RankContext
 from sync_runtime.transfer import DestinationWeights, EngineHooks, SyncGroup, TransferConfig, run_rank_plan
 
+pytestmark = pytest.mark.e2e
+
 WORLD = 3
 DEFAULT_DIRECT = TransferConfig().direct_min_bytes
 """Every hand-plan transfer is smaller: all packed. direct=0 sends each as its own message

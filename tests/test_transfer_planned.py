@@ -7,14 +7,14 @@ double-buffered path (pack ahead, unpack behind) is what runs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from sync_runtime.core.topology import Role
 from sync_runtime.testing.local_ranks import LocalWorld, RankContext
 from sync_runtime.testing.scenario import Scenario, mismatches, rank_tensors
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
+
+pytestmark = pytest.mark.e2e
 
 POOL = 6
 SMALL = {"bucket_bytes": 48 * 1024, "staging_budget_bytes": 256 * 1024}
@@ -65,10 +65,10 @@ def planned_rank(ctx: RankContext, scenario: Scenario, seeds: list[int], direct:
     return reports
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[LocalWorld]:
-    with LocalWorld(POOL) as w:
-        yield w
+@pytest.fixture
+def world(rank_pool: LocalWorld) -> LocalWorld:
+    """The session's shared rank pool (tests/conftest.py): these tests kill no rank."""
+    return rank_pool
 
 
 @pytest.mark.parametrize("direct", [TransferConfig().direct_min_bytes, 1024], ids=["default", "direct1k"])

@@ -34,6 +34,8 @@ from sync_runtime.transfer.buffers import (
 from sync_runtime.transfer.checksum import CHUNK_WORDS, _offset_words, checksum_bytes, checksum_tensor
 from sync_runtime.transfer.staging import tiles_exactly
 
+pytestmark = pytest.mark.unit
+
 
 def _rand_bf16(*shape: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

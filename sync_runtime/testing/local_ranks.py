@@ -109,6 +109,10 @@ class LocalWorld:
             outcomes.setdefault(rank, Outcome(rank, error=f"no answer within {timeout_s}s"))
         return [outcomes[r] for r in range(len(args))]
 
+    def alive(self) -> bool:
+        """Every rank process still runs (a pool with a dead rank is spent)."""
+        return all(p.is_alive() for p in self._procs)
+
     def close(self) -> None:
         for inbox, proc in zip(self._inboxes, self._procs, strict=True):
             if proc.is_alive():

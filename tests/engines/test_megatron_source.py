@@ -17,6 +17,8 @@ from sync_runtime.errors import LayoutError
 from sync_runtime.schema.report import SyncResult
 from sync_runtime.testing.megatron_deploy import MegatronDeployment
 
+pytestmark = pytest.mark.engines
+
 WORLD = 4
 
 

@@ -35,7 +35,7 @@ from tests.support.vllm_deploy import (
     sync_spec,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-deepseek"
 DST = ParallelSpec.parse("tp=2")
 

@@ -25,7 +25,7 @@ from sync_runtime.core.models import build_manifest
 from sync_runtime.testing.vllm_models import CONFIGS
 from sync_runtime.testing.weights import reference_weights
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 2
 

@@ -25,7 +25,7 @@ from sync_runtime.testing.cluster import train_step
 from tests.support import vllm_faults
 from tests.support.vllm_deploy import CONFIGS, deploy, destination_ref, generations, rows_equal, sync_spec
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(600)]
 NS = "vllm-dense"
 DST = ParallelSpec.parse("tp=1,replicas=2")
 

@@ -16,7 +16,7 @@ import pytest
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
 
 def _engine_pin(name: str) -> str:

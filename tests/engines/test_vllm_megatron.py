@@ -43,7 +43,7 @@ from tests.support.vllm_deploy import (
     sync_spec,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-megatron"
 SRC, DST = "tp=2,pp=2", ParallelSpec.parse("tp=2")
 CONFIG = CONFIGS["qwen3"]

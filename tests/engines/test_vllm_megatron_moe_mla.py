@@ -60,7 +60,7 @@ from tests.support.vllm_deploy import (
     wait_ready,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-megatron-moe-mla"
 DST = ParallelSpec.parse("tp=2")
 BUILD = {"seed": 0, "dtype": "bfloat16", "init_std": 0.2}  # large init: attention is not flat

@@ -38,7 +38,7 @@ from tests.support.vllm_deploy import (
     sync_spec,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-moe"
 TP, EP = ParallelSpec.parse("tp=2"), ParallelSpec.parse("tp=2,ep=2")
 

@@ -19,7 +19,7 @@ from sync_runtime.engines.vllm_worker import VllmStaging
 from sync_runtime.errors import DestinationError, StagingError
 from sync_runtime.runtime.discovery import RankHandle
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 EXPECTED = {
     "a.weight": EngineTensor("a.weight", (2, 3), "bfloat16", "bfloat16"),
     "gate.e_score_correction_bias": EngineTensor("gate.e_score_correction_bias", (4,), "bfloat16", "float32"),

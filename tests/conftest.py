@@ -1,0 +1,66 @@
+"""Session-wide test setup: every test belongs to exactly one tier, and the setups that cost
+seconds to start (a local Ray cluster, a pool of rank processes) are shared by the tests that
+need one but not their isolation.
+
+Tiers (markers registered in pyproject.toml; `make test-unit`, `test-e2e`, `test-engines`):
+``unit`` pure and in-process; ``e2e`` spawns processes (Ray, rank pools, the control plane, CLIs);
+``engines`` real vLLM or Megatron-Core. A test with none, or more than one, fails collection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+TIERS = ("unit", "e2e", "engines")
+LOCAL_POOL_SIZE = 6
+"""Ranks of the shared local pool: the largest world of the tests that share it."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not just vanish
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append(f"  {item.nodeid}: {', '.join(tiers) or 'no tier marker'}")
+    if wrong:
+        raise pytest.UsageError(
+            f"{len(wrong)} test(s) need exactly one tier marker ({', '.join(TIERS)}; "
+            "`pytestmark = pytest.mark.unit` in the module):\n" + "\n".join(wrong)
+        )
+
+
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[str]:
+    """One embedded Ray cluster for the session (address). Tests create their participants in
+    their own namespaces and kill them when done; actors claim no CPUs."""
+    import ray
+
+    from sync_runtime.testing.cluster import start_local_ray
+
+    yield start_local_ray(num_cpus=2)
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def _shared_pool() -> Iterator[list]:
+    holder: list = []
+    yield holder
+    for world in holder:
+        world.close()
+
+
+@pytest.fixture
+def rank_pool(_shared_pool: list) -> Iterator:
+    """A pool of LOCAL_POOL_SIZE local rank processes shared by the session's transfer tests; a
+    test whose rank died (it is then spent) leaves the next one a fresh pool. Tests that kill a
+    rank on purpose start their own `LocalWorld`."""
+    from sync_runtime.testing.local_ranks import LocalWorld
+
+    if _shared_pool and not _shared_pool[0].alive():
+        _shared_pool.pop().close()
+    if not _shared_pool:
+        _shared_pool.append(LocalWorld(LOCAL_POOL_SIZE))
+    yield _shared_pool[0]
