@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 
@@ -43,8 +44,34 @@ def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
     try:
         ray.init(address=address, logging_level="WARNING", log_to_driver=False)
     except Exception as e:  # ray.init raises ConnectionError, ValueError, RuntimeError...
+        mismatch = version_mismatch_line(e)
+        if mismatch is not None:
+            raise RayUnreachableError(f"Ray at {address}: {mismatch}") from e
         raise RayUnreachableError(f"cannot connect to Ray at {address}: {describe_unexpected(e)}") from e
     return address
+
+
+_GCS_MISMATCH = re.compile(
+    r"cluster was started with:\s*Ray: (\S+)\s*Python: (\S+)\s*This process.*?started with:"
+    r"\s*Ray: (\S+)\s*Python: (\S+)",
+    re.S,
+)
+
+
+def version_mismatch_line(error: BaseException) -> str | None:
+    """Ray's multi-line version refusal as one line naming both versions; None for any other error.
+
+    A driver (`ray.init("host:6379")`) and Ray Client (`ray://`) both refuse through Ray's
+    `check_version_info`, so one pattern reads either."""
+    text = str(error)
+    found = _GCS_MISMATCH.search(text)
+    if found:
+        ray_c, py_c, ray_r, py_r = found.groups()
+        return (
+            f"version mismatch: the cluster runs Ray {ray_c} (Python {py_c}), this runtime Ray {ray_r} "
+            f"(Python {py_r}); build the runtime image with the cluster's Ray and Python"
+        )
+    return None
 
 
 def ray_token_from_env() -> str | None:
