@@ -26,6 +26,8 @@ MANIFESTS = {
     "bucket.yaml": VALID_SPEC.read_text().replace("bucketMb: 64", "bucketMb: -1"),
     "nosource.yaml": "spec:\n  version: v1\n  destinations: []\n",
     "typo.yaml": VALID_SPEC.read_text().replace("actorPrefix: trainer-", "actorPrefx: trainer-"),
+    "tp3.yaml": VALID_SPEC.read_text().replace("{tp: 2, pp: 2, dp: 2}", "{tp: 3, pp: 2, dp: 2}"),
+    "model.yaml": VALID_SPEC.read_text().replace("model: tiny-llama", "model: nope"),
 }
 
 CASES: list[tuple[list[str], str]] = [
@@ -68,6 +70,8 @@ CASES: list[tuple[list[str], str]] = [
     (["run", "--config", "{tmp}/bucket.yaml"], "spec.transport.bucketMb:"),
     (["run", "--config", "{tmp}/nosource.yaml"], "spec.source: Field required"),
     (["run", "--config", "{tmp}/typo.yaml"], "spec.source.actorPrefx: Extra inputs are not permitted"),
+    (["run", "--config", "{tmp}/tp3.yaml"], "nh=8 not divisible by tp=3"),  # planned before Ray
+    (["run", "--config", "{tmp}/model.yaml"], "'nope' is neither a preset"),
 ]
 
 

@@ -36,18 +36,7 @@ def check_demo(module: Any, args: argparse.Namespace) -> argparse.Namespace | No
         raise InputError(f"--timeout={args.timeout}: must be >= 1 second")
     model, src, dst = module.DEFAULTS[args.engine]
     args.model, args.src, args.dst = args.model or model, args.src or src, args.dst or dst
-    return argparse.Namespace(
-        model=args.model,
-        src=args.src,
-        dst=[args.dst],
-        src_layout="megatron",
-        dst_layout=None,
-        gpus_per_node=8,
-        bucket_mb=64,
-        staging_mb=512,
-        max_fan_in=4,
-        relay="off",
-    )
+    return _plan_args(args.model, args.src, [args.dst], "megatron", None)
 
 
 def check_run(module: Any, args: argparse.Namespace) -> argparse.Namespace | None:
@@ -62,7 +51,7 @@ def check_run(module: Any, args: argparse.Namespace) -> argparse.Namespace | Non
     import yaml
 
     try:
-        module.load_spec_file(args.config)
+        spec = module.load_spec_file(args.config)
     except OSError as e:
         raise InputError(f"--config {args.config}: {e.strerror or e}") from e
     except yaml.YAMLError as e:
@@ -74,7 +63,34 @@ def check_run(module: Any, args: argparse.Namespace) -> argparse.Namespace | Non
         raise InputError(f"--config {args.config}: {describe_validation(e)}") from e
     except ValueError as e:
         raise InputError(str(e)) from e
-    return None
+    if not spec.model:  # the model comes from the source actors: planned once they are found
+        return None
+    # A named model: plan the declared topologies now, as `plan` would, before connecting to Ray.
+    return _plan_args(
+        spec.model,
+        spec.source.parallelism.to_spec().describe(),
+        [d.parallelism.to_spec().describe() for d in spec.destinations],
+        spec.source.layout,
+        [d.layout for d in spec.destinations],
+    )
+
+
+def _plan_args(
+    model: str, src: str, dst: list[str], src_layout: str, dst_layout: list[str] | None
+) -> argparse.Namespace:
+    """The `plan` subcommand's arguments for one sync, with its default budgets."""
+    return argparse.Namespace(
+        model=model,
+        src=src,
+        dst=dst,
+        src_layout=src_layout,
+        dst_layout=dst_layout,
+        gpus_per_node=8,
+        bucket_mb=64,
+        staging_mb=512,
+        max_fan_in=4,
+        relay="off",
+    )
 
 
 def describe_validation(error: Any) -> str:
