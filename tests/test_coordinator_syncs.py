@@ -2,7 +2,7 @@
 
 Every scenario starts source and destination actors holding seeded weights, runs the
 coordinator, and checks every destination rank bit-exact (sha256 of its bytes) against the
-DESIGN 4 shard of the reference weights. One Ray cluster serves the whole module.
+design §4 shard of the reference weights. One Ray cluster serves the whole module.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from sync_runtime.testing.weights import shard_arrays, torch_to_bits
 
 pytestmark = pytest.mark.e2e
 
-# 6 heads and 6 KV heads, vocab 960: TP 3 and TP 2 are both legal on both sides (DESIGN 4.1/4.2).
+# 6 heads and 6 KV heads, vocab 960: TP 3 and TP 2 are both legal on both sides (design §4.1/4.2).
 TP6_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

@@ -2,7 +2,7 @@
 
 Runs the real CLI (embedded Ray cluster, default model and topologies), then rebuilds every
 destination rank's tensors from reference.safetensors with numpy slicing written here from
-DESIGN 4.1 for tiny-qwen3-moe (vllm tp=2, ep=2, pp=1, 2 replicas) and compares names, shapes
+design §4.1 for tiny-qwen3-moe (vllm tp=2, ep=2, pp=1, 2 replicas) and compares names, shapes
 and bytes with the dumped files.
 """
 
@@ -47,7 +47,7 @@ def _vocab(a: np.ndarray, r: int, t: int) -> np.ndarray:
 
 
 def expected_rank(ref: dict[str, np.ndarray], cfg: dict, r: int) -> dict[str, np.ndarray]:
-    """DESIGN 4.1 for qwen3_moe with EP = TP, one PP stage."""
+    """design §4.1 for qwen3_moe with EP = TP, one PP stage."""
     nh, nkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     experts, dense = cfg["num_experts"], set(cfg["mlp_only_layers"])
     out = {

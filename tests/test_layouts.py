@@ -1,7 +1,7 @@
-"""Dense layouts: golden shards built independently from the DESIGN 4 tables, round trips, errors.
+"""Dense layouts: golden shards built independently from the design §4 tables, round trips, errors.
 
 Expected local tensors are written here with explicit numpy slicing and concatenation from the
-tables of DESIGN 4.1/4.2/4.3, never from pieces, and compared with `materialize()`.
+tables of design §4.1/4.2/4.3, never from pieces, and compared with `materialize()`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def local(layout: str, m: Manifest, spec: ParallelSpec, canon, **coord: int) -> 
     return materialize(get_layout(layout).shard(m, spec, RankCoord(role=role, **coord)), canon)
 
 
-# ---------------------------------------------------------------- vllm (DESIGN 4.1)
+# ---------------------------------------------------------------- vllm (design §4.1)
 
 L0 = "model.layers.0."
 
@@ -150,7 +150,7 @@ def test_vllm_pp_global_layer_names_and_uneven_split() -> None:
     assert not any(n.startswith("model.layers.0.") for n in names)
 
 
-# ---------------------------------------------------------------- megatron (DESIGN 4.2)
+# ---------------------------------------------------------------- megatron (design §4.2)
 
 M0 = "decoder.layers.0."
 
@@ -314,7 +314,7 @@ def test_megatron_dp_replicas_identical() -> None:
     assert a.pieces == b.pieces and a.tensors == b.tensors
 
 
-# ---------------------------------------------------------------- hf (DESIGN 4.3)
+# ---------------------------------------------------------------- hf (design §4.3)
 
 
 def test_hf_full_and_tp_sharded() -> None:

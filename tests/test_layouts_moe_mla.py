@@ -1,4 +1,4 @@
-"""MoE (qwen3_moe) and MLA (deepseek_v3) layouts: golden shards from DESIGN 4, round trips, errors, speed."""
+"""MoE (qwen3_moe) and MLA (deepseek_v3) layouts: golden shards from design §4, round trips, errors, speed."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Manifests built from config.json: names, shapes, counts and errors (DESIGN 3)."""
+"""Manifests built from config.json: names, shapes, counts and errors (design §3)."""
 
 from __future__ import annotations
 
