@@ -37,6 +37,8 @@ class Reason(StrEnum):
     DISCOVERY_FAILED = "DiscoveryFailed"
     TOPOLOGY_MISMATCH = "TopologyMismatch"
     RAY_UNREACHABLE = "RayClusterUnreachable"
+    RAY_CLUSTER_NOT_FOUND = "RayClusterNotFound"
+    RAY_CLUSTER_NOT_READY = "RayClusterNotReady"
     PLAN_MISMATCH = "PlanMismatch"
     CONNECT_FAILED = "ConnectFailed"
     REMOTE_CALL_FAILED = "RemoteCallFailed"
@@ -69,6 +71,9 @@ REASONS: dict[Reason, ReasonInfo] = {
     Reason.DISCOVERY_FAILED: ReasonInfo(retryable=True, root_cause=1),
     Reason.TOPOLOGY_MISMATCH: ReasonInfo(retryable=False, root_cause=1),
     Reason.RAY_UNREACHABLE: ReasonInfo(retryable=True, root_cause=1),
+    # Retryable: the runtime keeps polling, so creating the RayCluster (or its head coming up) heals it.
+    Reason.RAY_CLUSTER_NOT_FOUND: ReasonInfo(retryable=True, root_cause=1),
+    Reason.RAY_CLUSTER_NOT_READY: ReasonInfo(retryable=True, root_cause=1),
     Reason.PLAN_MISMATCH: ReasonInfo(retryable=True, root_cause=1),
     Reason.CONNECT_FAILED: ReasonInfo(retryable=True, root_cause=1),
     Reason.REMOTE_CALL_FAILED: ReasonInfo(retryable=True, root_cause=1),
@@ -222,6 +227,18 @@ class RayUnreachableError(WeightSyncError, RuntimeError):
 
     reason = Reason.RAY_UNREACHABLE
     step_default = SyncStep.DISCOVER
+
+
+class RayClusterNotFoundError(RayUnreachableError):
+    """`rayCluster: NAME` names no KubeRay RayCluster in the WeightSync's namespace."""
+
+    reason = Reason.RAY_CLUSTER_NOT_FOUND
+
+
+class RayClusterNotReadyError(RayUnreachableError):
+    """The named RayCluster exists but reports no head address (yet), or an unusable GCS port."""
+
+    reason = Reason.RAY_CLUSTER_NOT_READY
 
 
 # ---- failures during a sync ----------------------------------------------------------------

@@ -30,6 +30,7 @@ OPERATOR_RULES = {
 RUNTIME_RULES = {
     ("weightsync.io", "weightsyncs"): {"get", "list", "watch"},
     ("weightsync.io", "weightsyncs/status"): {"patch"},
+    ("ray.io", "rayclusters"): {"get"},
 }
 
 

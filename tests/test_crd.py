@@ -292,7 +292,15 @@ def test_ray_token_env_names_follow_deployment_order() -> None:
 def test_resolve_ray_address() -> None:
     spec = WeightSyncSpec.model_validate(full_spec())
     assert resolve_ray_address(spec.source, "ns") == "ray://head:10001"
-    assert resolve_ray_address(spec.destinations[0], "team") == "ray://rl-head-svc.team.svc:10001"
+    head = {"spec": {}, "status": {"head": {"podIP": "10.0.0.7"}}}
+    seen: list[tuple[str, str]] = []
+
+    def read(namespace: str, name: str) -> dict:
+        seen.append((namespace, name))
+        return head
+
+    assert resolve_ray_address(spec.destinations[0], "team", read) == "10.0.0.7:6379"
+    assert seen == [("team", "rl")]
     with pytest.raises(ValueError, match="exactly one"):
         resolve_ray_address(DeploymentRef(name="n", actor_prefix="p", layout="hf"), "ns")
 

@@ -9,17 +9,27 @@ from collections.abc import Sequence
 
 import ray
 
-from sync_runtime.errors import RayUnreachableError, describe_unexpected
+from sync_runtime.errors import RayUnreachableError, WeightSyncError, describe_unexpected
 from sync_runtime.schema import crd
-from sync_runtime.schema.crd import WeightSyncSpec
+from sync_runtime.schema.crd import RayClusterReader, WeightSyncSpec
+
+
+def _kube_reader() -> RayClusterReader:
+    """The RayCluster reader for `rayCluster:` deployments; imported on use, so a spec with
+    plain rayAddress deployments never needs the kubernetes client."""
+    from sync_runtime.kube.raycluster import read_raycluster
+
+    return read_raycluster
 
 
 def resolve_address(spec: WeightSyncSpec, namespace: str | None = None) -> str | None:
-    """The one Ray address of all deployments (None when they disagree or name none)."""
+    """The one Ray address of all deployments (None when they disagree, name none, or a named
+    RayCluster cannot be resolved now: the caller then reconnects and reports why)."""
     namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
+    read = _kube_reader()
     try:
-        addresses = {crd.resolve_ray_address(r, namespace) for r in spec.deployments()}
-    except ValueError:
+        addresses = {crd.resolve_ray_address(r, namespace, read) for r in spec.deployments()}
+    except (ValueError, WeightSyncError):
         return None
     return addresses.pop() if len(addresses) == 1 else None
 
@@ -31,8 +41,9 @@ def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
     """
     namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
     refs = spec.deployments()
+    read = _kube_reader()
     try:
-        addresses = [crd.resolve_ray_address(r, namespace) for r in refs]
+        addresses = [crd.resolve_ray_address(r, namespace, read) for r in refs]
     except ValueError as e:
         raise RayUnreachableError(str(e)) from e
     if len(set(addresses)) != 1:

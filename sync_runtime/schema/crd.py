@@ -12,12 +12,14 @@ Spec rules the API server enforces with CEL (crds/weightsyncs.weightsync.io.yaml
 from __future__ import annotations
 
 import re
-from typing import Literal
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.errors import RayClusterNotFoundError, RayClusterNotReadyError, RayUnreachableError
 
 GROUP = "weightsync.io"
 VERSION = "v1alpha1"
@@ -109,7 +111,7 @@ class DeploymentRef(CrdModel):
     ray_address: str | None = None
     """Ray cluster address (host:port of the GCS, or ray://host:10001)."""
     ray_cluster: str | None = None
-    """A KubeRay RayCluster in the same namespace, resolved to its head service."""
+    """A KubeRay RayCluster in the same namespace; the runtime joins its head's GCS as a driver."""
     ray_namespace: str = "weightsync"
     actor_prefix: str
     """Participants are the named Ray actors whose names start with this prefix."""
@@ -121,18 +123,60 @@ class DeploymentRef(CrdModel):
     """Destinations only: overrides transport.staging for this deployment's ranks."""
 
 
-def resolve_ray_address(ref: DeploymentRef, namespace: str) -> str:
+RAYCLUSTER_GROUP, RAYCLUSTER_VERSION, RAYCLUSTER_PLURAL = "ray.io", "v1", "rayclusters"
+DEFAULT_GCS_PORT = 6379
+"""KubeRay's default `ray start --head --port` (the GCS), when rayStartParams sets none."""
+
+RayClusterReader = Callable[[str, str], Mapping[str, Any] | None]
+"""(namespace, name) -> the RayCluster object, or None when there is none (kube I/O, not here)."""
+
+
+def resolve_ray_address(
+    ref: DeploymentRef, namespace: str, read_cluster: RayClusterReader | None = None
+) -> str:
     """The address the runtime connects to for `ref`.
 
-    A `rayCluster` name is resolved by KubeRay's naming convention (head Service
-    `<cluster>-head-svc`, Ray Client port 10001) rather than by reading the RayCluster, so the
-    runtime needs no RBAC on KubeRay objects; a missing cluster shows up as a connect failure.
+    A `rayCluster` name is read from the Kubernetes API (`read_cluster`) and resolved to its
+    head's GCS address (`raycluster_gcs_address`): the runtime joins as a plain Ray driver, so it
+    needs no Ray Client (`ray://`, grpc) and speaks the protocol the participants speak.
     """
     if ref.ray_address:
         return ref.ray_address
     if ref.ray_cluster:
-        return f"ray://{ref.ray_cluster}-head-svc.{namespace}.svc:10001"
+        if read_cluster is None:
+            raise RayUnreachableError(
+                f"deployment {ref.name!r}: rayCluster {ref.ray_cluster!r} needs the Kubernetes API to resolve"
+            )
+        return raycluster_gcs_address(read_cluster(namespace, ref.ray_cluster), ref.ray_cluster, namespace)
     raise ValueError(f"deployment {ref.name!r}: exactly one of rayAddress or rayCluster must be set")
+
+
+def raycluster_gcs_address(cluster: Mapping[str, Any] | None, name: str, namespace: str) -> str:
+    """`host:port` of a KubeRay RayCluster's GCS, from the object alone (None: it does not exist).
+
+    Host: `status.head.podIP`, else `status.head.serviceIP`. The pod IP comes first because it is
+    the address Ray itself advertises for the head node (a driver reaches the head's raylet and
+    object store there anyway), and KubeRay's head Service may be headless (no service IP).
+    Port: `spec.headGroupSpec.rayStartParams.port` (a string in KubeRay's schema), default 6379.
+    """
+    where = f"RayCluster {namespace}/{name}"
+    if cluster is None:
+        raise RayClusterNotFoundError(
+            f"{where} not found (rayCluster: {name}; is it created, KubeRay installed?)"
+        )
+    head = _mapping(_mapping(cluster.get("status")).get("head"))
+    host = str(head.get("podIP") or head.get("serviceIP") or "").strip()
+    if not host:
+        raise RayClusterNotReadyError(f"{where} has no head address yet (status.head.podIP/serviceIP empty)")
+    params = _mapping(_mapping(_mapping(cluster.get("spec")).get("headGroupSpec")).get("rayStartParams"))
+    raw = str(params.get("port", DEFAULT_GCS_PORT)).strip()
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        raise RayClusterNotReadyError(f"{where}: rayStartParams.port {raw!r} is not a TCP port")
+    return f"{host}:{int(raw)}"
+
+
+def _mapping(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
 
 
 class Transport(CrdModel):
