@@ -8,7 +8,7 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test test-unit test-e2e test-engines test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-k8s bench-source chart-crds k8s-bins
+.PHONY: demo test test-unit test-e2e test-engines test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-k8s bench-source bench-delta chart-crds k8s-bins
 
 # `--engine vllm` (real vLLM engines) runs in the engine environment, everything else in the venv.
 DEMO_ENV = $(if $(or $(findstring --engine vllm,$(ARGS)),$(findstring --engine=vllm,$(ARGS))),vllm_env,venv)
@@ -25,7 +25,8 @@ demo:
 # when a tier selects no test, which fails the target like any other failure.
 VLLM_TESTS := tests/engines/test_vllm* tests/e2e/test_vllm*
 NO_VLLM := $(foreach g,$(VLLM_TESTS),--ignore-glob='$(g)')
-PYTEST := python -m pytest -q -ra
+# Every tier reports its 15 slowest phases, so each run (CI's included) shows where the time goes.
+PYTEST := python -m pytest -q -ra --durations=15
 DURATIONS_DIR := $(HOME)/.cache/weightsync/durations
 
 # All tiers run even when one fails (so one run reports every failure); the target fails if any did.
@@ -100,6 +101,11 @@ bench-k8s: k8s-bins
 # Source-side CPU cost of a sync on a real Megatron-Core rank vs one forward+backward.
 bench-source:
 	@V=$$(bash tools/venv.sh); $$V/bin/python bench/megatron_source_bench.py $(ARGS)
+
+# A delta sync against a full sync of the same version: a real Megatron-Core model (bf16, fp32 main
+# weights, Adam at lr 1e-6) over gloo ranks; changed fraction, wire bytes, time, CPU, memory.
+bench-delta:
+	@V=$$(bash tools/venv.sh); $$V/bin/python bench/delta_bench.py $(ARGS)
 
 # The chart ships the CRD in its crds/ folder; the top-level crds/ is the source of truth.
 chart-crds:
