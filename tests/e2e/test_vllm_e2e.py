@@ -5,7 +5,8 @@ helm, the chart, `kopf run`, the runtime pod's `weightsync run --kubernetes`, Ra
 auth), and the destination is one `VllmReplica` (vLLM 0.32 CPU, TP 1, dummy weights), a
 detached named actor found by its prefix. Sources: the demo's Megatron-layout actors (tp=2)
 holding shards of the seeded canonical weights of Qwen3 (tied embeddings). Oracle: the same
-vLLM loaded normally from a checkpoint of those canonical weights, one engine per version;
+vLLM loaded normally from a checkpoint of those canonical weights, one engine per version, started
+only when the reference cache lacks its outputs (sync_runtime/testing/reference_cache.py);
 generation is greedy, compared as token ids and logprobs, bit for bit.
 
 Runs in `make test-engines` (vllm, Ray and this project in the engine env; `make test`'s
@@ -41,7 +42,9 @@ from helpers import (
 from ray_cluster import RayCluster
 
 from sync_runtime.core.models import build_manifest
+from sync_runtime.testing import reference_cache
 from tests.support.vllm_deploy import CONFIGS, rows_equal, write_model
+from tests.support.vllm_oracle import oracle_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -120,21 +123,37 @@ def _manifest(address: str, version: str) -> dict[str, Any]:
     }
 
 
-def _up(ray_cluster: RayCluster, work: Path) -> subprocess.Popen[str]:
-    """Checkpoints of v1 and v2, then the driver that starts sources and engines (in the background)."""
+def _up(ray_cluster: RayCluster, work: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """Checkpoints of v1 and v2, then the driver that starts sources and engines (in the
+    background); an oracle engine only for a version whose outputs the reference cache lacks.
+    Returns the driver and, per version, the oracle's cache key and cached outputs (or None)."""
     config = CONFIGS["qwen3"]
     manifest = build_manifest(config)
     dirs = {v: write_model(work / v, config, manifest, seed=SEED, version=v) for v in ("v1", "v2")}
     args = ["up", "--config", f"{dirs['v1']}/config.json", "--seed", str(SEED), "--version", "v1"]
+    oracles = {}
     for version, directory in dirs.items():
-        args += ["--reference", f"{version}={directory}"]
+        key = oracle_key(directory, {"tp": 1}, calls=1)  # the driver's oracles: TP 1, one call
+        oracles[version] = (key, reference_cache.load(key)[0])
+        if oracles[version][1] is None:
+            args += ["--reference", f"{version}={directory}"]
     return subprocess.Popen(
         [sys.executable, DRIVER, *args, "--address", ray_cluster.address, "--namespace", RAY_NS],
         env=ray_cluster.env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
+    ), oracles
+
+
+def _references(oracles: dict[str, Any], computed: dict[str, Any]) -> dict[str, list[dict[str, list]]]:
+    """Each version's oracle generation: cached, or computed by the driver now (and cached)."""
+    out = {}
+    for version, (key, cached) in oracles.items():
+        if cached is None:
+            cached = reference_cache.put(key, computed[version])
+        out[version] = cached["calls"][0]
+    return out
 
 
 def _down(ray_cluster: RayCluster) -> None:
@@ -157,7 +176,7 @@ def stack(
     """Engines and sources start while helm installs the operator; everything is removed after."""
     work = tmp_path_factory.mktemp("vllm-e2e")
     t0 = time.monotonic()
-    up = _up(ray_cluster, work)
+    up, oracles = _up(ray_cluster, work)
     installed = False
     failed_before = request.session.testsfailed
     stack: Stack | None = None
@@ -187,9 +206,8 @@ def stack(
         stdout, stderr = up.communicate(timeout=600)
         assert up.returncode == 0, f"vllm_driver up exited {up.returncode}:\n{stderr[-4000:]}"
         got = json.loads(stdout.strip().splitlines()[-1])
-        stack = Stack(
-            ray_cluster, f"{work / 'v1'}/config.json", got["dummy"], got["reference"], got["version"]
-        )
+        refs = _references(oracles, got["reference"])
+        stack = Stack(ray_cluster, f"{work / 'v1'}/config.json", got["dummy"], refs, got["version"])
         stack.seconds["helm install (concurrent)"] = helm_s
         stack.seconds.update({f"up: {k}": round(v, 1) for k, v in got["seconds"].items()})
         stack.timed("setup", t0)

@@ -14,8 +14,9 @@ tests' own (unauthenticated) local cluster, and one process joins one Ray cluste
 ``up``: the demo's Megatron-layout sources (detached, seeded weights of V), ONE detached
 ``VllmReplica`` named ``<D>r0`` (TP 1, dummy weights) that discovery finds by its prefix, and
 one reference engine per ``--reference`` (the same vLLM loaded normally from that checkpoint),
-all started together; then the greedy generation of the dummy engine and of every reference,
-after which the references are stopped. ``down`` stops every engine (its processes first) and
+all started together; then the greedy generation of the dummy engine and of every reference (and
+the references' kernel checksums: the reference cache's entry), after which the references are
+stopped. ``down`` stops every engine (its processes first) and
 kills every actor of the namespace.
 """
 
@@ -35,7 +36,7 @@ import ray
 
 from sync_runtime.core.topology import Role
 from sync_runtime.testing.cluster import DemoSetup, create_participants, train_step
-from tests.support.vllm_deploy import engine_env, generations, stop_replicas
+from tests.support.vllm_deploy import engine_env, generations, kernel_checksums, stop_replicas
 
 ENGINE_READY_S = 500.0
 """vLLM start on a loaded 2-core machine (2-3 engines starting together, each importing torch)."""
@@ -82,10 +83,11 @@ def cmd_up(args: argparse.Namespace) -> dict[str, Any]:
     engines_s = time.monotonic() - t0
     rows = generations(engines)
     label = ray.get(dst.weight_version.remote())
+    kernels = {v: kernel_checksums(h) for v, h in refs.items()}  # what the reference cache keeps
     stop_replicas(list(refs.values()))
     return {
         "dummy": rows[0],
-        "reference": dict(zip(refs, rows[1:], strict=True)),
+        "reference": {v: {"calls": [r], "kernels": kernels[v]} for v, r in zip(refs, rows[1:], strict=True)},
         "version": label,
         "seconds": {"sources": sources_s, "engines": engines_s, "total": time.monotonic() - t0},
     }

@@ -42,6 +42,7 @@ from tests.support.vllm_deploy import (
     stop_replicas,
     sync_spec,
 )
+from tests.support.vllm_oracle import Oracles, finish_oracles, start_oracles
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-megatron"
@@ -75,6 +76,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     trainers = start_trainers(4, NS, "trainer-")
     handles: list[Any] = []
+    oracles: list[Oracles] = []
     try:
         built = _build(trainers)
         ref1 = _reference(trainers)
@@ -84,24 +86,26 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         assert _same(_reference(trainers), ref1)
         root = tmp_path_factory.mktemp("megatron-qwen3")
         dirs = {v: _model_dir(root / v, r) for v, r in (("v1", ref1), ("v2", ref2))}
+        # the oracles are started only on a reference-cache miss, one at a time (memory)
+        oracle = start_oracles(dirs["v1"], NS, {"v1": ("ref-mg1", {"tp": 2})})
+        oracles.append(oracle)
         engine = start_replica("mg-r0", NS, dirs["v1"], tp=2)
-        handles = [engine, start_replica("ref-mg1", NS, dirs["v1"], tp=2, load_format="auto")]
-        ray.get([h.ws_num_ranks.remote() for h in handles], timeout=800)
-        ref_gen = {"v1": generations([handles[1]])[0]}
-        stop_replicas([handles.pop()])
-        handles.append(start_replica("ref-mg2", NS, dirs["v2"], tp=2, load_format="auto"))
+        handles = [engine]
+        ray.get(engine.ws_num_ranks.remote(), timeout=800)
+        ref_gen = {"v1": finish_oracles(oracle, timeout_s=800)["v1"]["calls"][0]}
+        oracles.append(start_oracles(dirs["v2"], NS, {"v2": ("ref-mg2", {"tp": 2})}))
         spec = sync_spec(dirs["v1"], NS, built[0]["spec"], [destination_ref("mg", NS, "mg-", DST)], "v1")
         yield {
             "trainers": trainers,
             "engine": engine,
-            "ref2_engine": handles[1],
+            "oracle_v2": oracles[1],
             "ref_gen": ref_gen,
             "refs": {"v1": ref1, "v2": ref2},
             "spec": spec,
             "manifest": build_manifest(built[0]["model_config"]),  # the sources' dtypes: the wire's
         }
     finally:
-        stop_replicas(handles)
+        stop_replicas([*handles, *(h for o in oracles for h in o.started.values())])
         for h in trainers:
             ray.kill(h, no_restart=True)
 
@@ -132,9 +136,8 @@ def test_megatron_to_vllm_is_bit_identical_then_a_training_step_resyncs(deployme
         v2 = generations([engine])[0]
     finally:
         coordinator.close()
-    ref2_engine = deployment["ref2_engine"]
-    ray.get(ref2_engine.ws_num_ranks.remote(), timeout=800)
-    ref = {**deployment["ref_gen"], "v2": generations([ref2_engine])[0]}
+    v2_oracle = finish_oracles(deployment["oracle_v2"], timeout_s=800)["v2"]
+    ref = {**deployment["ref_gen"], "v2": v2_oracle["calls"][0]}
     assert v1 == ref["v1"]  # token ids and every logprob bit
     assert v2 == ref["v2"]
     assert rows_equal(dummy, ref["v1"]) == 0  # negative control: the dummy weights generate otherwise
