@@ -59,6 +59,7 @@ from tests.support.vllm_deploy import (
     sync_spec,
     wait_ready,
 )
+from tests.support.vllm_oracle import finish_oracles, start_oracles
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-megatron-moe-mla"
@@ -91,21 +92,20 @@ def _build(trainers: list[Any], config: dict[str, Any], src: str) -> dict[str, A
 def _engines(
     name: str, directory: Path, config: dict[str, Any], reference: dict[str, torch.Tensor], calls: int
 ) -> Iterator[tuple[Any, list[Generation], list[dict[str, str]]]]:
-    """A dummy-weight engine and the oracle engine of the same config (started together); the
-    oracle generates `calls` times, reports its kernel checksums and is stopped before the body."""
+    """A dummy-weight engine and the oracle engine of the same config (started together, the
+    oracle only on a reference-cache miss); the oracle generates `calls` times, reports its
+    kernel checksums and is stopped before the body."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     save_reference(reference, directory / "model.safetensors")
+    oracles = start_oracles(str(directory), NS, {"ref": (f"ref-{name}", {"tp": 2})}, calls)
     engine = start_replica(f"{name}-r0", NS, str(directory), tp=2)
-    oracle = start_replica(f"ref-{name}", NS, str(directory), tp=2, load_format="auto")
     try:
-        wait_ready([engine, oracle], timeout_s=800)
-        outputs = [generations([oracle])[0] for _ in range(calls)]
-        kernels = kernel_checksums(oracle)
-        stop_replicas([oracle])
-        yield engine, outputs, kernels
+        wait_ready([engine], timeout_s=800)
+        oracle = finish_oracles(oracles, timeout_s=800)["ref"]
+        yield engine, oracle["calls"], oracle["kernels"]
     finally:
-        stop_replicas([engine, oracle])
+        stop_replicas([engine, *oracles.started.values()])
 
 
 def _sync_and_generate(
