@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sync_runtime.errors import WeightSyncError
-
 __all__ = ["InputError", "check_demo", "check_run", "describe_validation"]
 
 
-class InputError(WeightSyncError, ValueError):
-    """A bad argument or file found before anything started."""
+class InputError(ValueError):
+    """A bad argument or file found before anything started. Not a WeightSyncError: no sync exists
+    yet, so it has no condition reason; `main` prints it as one line with exit 2 all the same."""
 
 
 def check_demo(module: Any, args: argparse.Namespace) -> argparse.Namespace | None:
@@ -93,10 +92,10 @@ def _plan_args(
     )
 
 
-def describe_validation(error: Any) -> str:
+def describe_validation(invalid: Any) -> str:
     """A pydantic ValidationError as `spec.field: problem` items, joined by '; ' (no input dump)."""
-    items = []
-    for item in error.errors(include_url=False, include_input=False):
+    items, problems = [], invalid.errors(include_url=False, include_input=False)
+    for item in problems:
         loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in item["loc"])
         message = str(item["msg"]).removeprefix("Value error, ")
         items.append(f"spec{loc}: {message}")

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from sync_runtime.cli.checks import check_demo, check_run
+from sync_runtime.cli.checks import InputError, check_demo, check_run
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest, load_model_config, not_synced
@@ -36,7 +36,7 @@ DELEGATES = {"demo": "sync_runtime.demo.run", "run": "sync_runtime.runtime.loop"
 """Subcommands implemented elsewhere: module with add_arguments(parser) and run(args) -> int."""
 CHECKS = {"demo": check_demo, "run": check_run}
 """What each delegate's input must pass before its module runs (nothing started yet)."""
-USER_ERRORS = (WeightSyncError,)
+USER_ERRORS = (WeightSyncError, InputError)
 """Bad input, reported in one line with exit code 2; anything else is a bug and keeps its traceback."""
 
 
