@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from sync_runtime.cli import main as cli
 from sync_runtime.cli.main import main
 
 pytestmark = pytest.mark.unit
@@ -121,3 +122,20 @@ def test_good_input_still_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """Control: the checks do not refuse a valid plan."""
     assert main(["plan", *MOE, "--src", "tp=2,pp=2,ep=2", "--dst", "tp=2,ep=2,replicas=2", "--json"]) == 0
     assert '"digest"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["demo", "--engine", "vllm", "--dst", "tp=1,replicas=2"], 0),  # the vLLM demo's own preset
+        (["demo", "--engine", "vllm", "--model", "vllm-tiny-deepseek-v3", "--dst", "tp=2"], 0),
+        (["demo", "--engine", "vllm", "--dst", "tp=3,replicas=2"], 2),  # 4 heads over tp=3
+    ],
+)
+def test_the_vllm_demos_presets_are_planned_before_anything_starts(
+    argv: list[str], code: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[object] = []
+    module = cli._load(cli.DELEGATES["demo"])
+    monkeypatch.setattr(module, "run", lambda args: ran.append(args) or 0)
+    assert cli.main(argv) == code and len(ran) == (code == 0)

@@ -35,7 +35,9 @@ def check_demo(module: Any, args: argparse.Namespace) -> argparse.Namespace | No
         raise InputError(f"--timeout={args.timeout}: must be >= 1 second")
     model, src, dst = module.DEFAULTS[args.engine]
     args.model, args.src, args.dst = args.model or model, args.src or src, args.dst or dst
-    return _plan_args(args.model, args.src, [args.dst], "megatron", None)
+    plan_args = _plan_args(args.model, args.src, [args.dst], "megatron", None)
+    plan_args.model_config = module.model_config(args.engine, args.model)  # the demo's own presets
+    return plan_args
 
 
 def check_run(module: Any, args: argparse.Namespace) -> argparse.Namespace | None:

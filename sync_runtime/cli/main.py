@@ -173,7 +173,8 @@ def _error(message: str, code: int = 2) -> int:
 
 
 def sync_inputs(args: argparse.Namespace) -> SyncInputs:
-    manifest = build_manifest(load_model_config(args.model))
+    config = getattr(args, "model_config", None)  # set by a delegate's check for its own presets
+    manifest = build_manifest(config if config is not None else load_model_config(args.model))
     if args.gpus_per_node < 1:
         raise TopologyError(f"--gpus-per-node={args.gpus_per_node}: must be >= 1")
     src_spec = ParallelSpec.parse(args.src)

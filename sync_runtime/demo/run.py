@@ -38,7 +38,7 @@ from sync_runtime.testing.cluster import (
     verify_destinations,
     weightsync_spec,
 )
-from sync_runtime.testing.vllm_models import DEFAULT_VLLM_MODEL
+from sync_runtime.testing.vllm_models import DEFAULT_VLLM_MODEL, vllm_model_config
 from sync_runtime.testing.vllm_models import PRESETS as VLLM_PRESETS
 from sync_runtime.testing.weights import reference_weights
 
@@ -51,6 +51,12 @@ DEFAULTS = {
     "vllm": (DEFAULT_VLLM_MODEL, VLLM_SRC, VLLM_DST),
 }
 """(model, src, dst) per --engine; real vLLM engines: tiny dense Qwen3, one core per engine."""
+
+
+def model_config(engine: str, model: str) -> dict | None:
+    """The config the demo will build `model` from, where it is not what `plan --model` reads: the
+    vLLM demo's own presets (`vllm-tiny-qwen3`, ...). None: `model` is a preset or a path."""
+    return vllm_model_config(model) if engine == "vllm" and model in VLLM_PRESETS else None
 
 
 # ---- the CLI -------------------------------------------------------------------------------

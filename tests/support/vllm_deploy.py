@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import ray
+import torch
 
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest
@@ -31,6 +33,20 @@ from sync_runtime.testing.vllm_deploy import (
 )
 from sync_runtime.testing.vllm_models import CONFIGS, MAX_TOKENS, PROMPTS, write_model
 from tests.support.vllm_oracle import finish_oracles, start_oracles
+
+MLA_RELOAD_FAILS_ON_AMX = pytest.mark.xfail(
+    torch.cpu._is_amx_tile_supported(),
+    reason=(
+        "known failure, not fixed: on CPUs with AMX tiles vLLM 0.32's CPU linear dispatch packs small "
+        "bf16 weights with the sgl kernel and empties the logical weight; re-applying an MLA layer "
+        "through the layerwise reload then copies a processed [..., 512] weight into the emptied [0] "
+        "kernel tensor (RuntimeError in _copy_and_restore_kernel_tensors), and the sync fails closed "
+        "(Poisoned, never committed). Passed on the earlier CI machine without AMX."
+    ),
+    strict=True,
+)
+"""An MLA (DeepSeek-V3) apply into vLLM on an AMX CPU: expected to fail, strictly (a pass fails the
+run, so the mark goes the day the apply is fixed)."""
 
 ROOT = Path(__file__).resolve().parents[2]
 
