@@ -41,7 +41,8 @@ MLA_RELOAD_FAILS_ON_AMX = pytest.mark.xfail(
         "bf16 weights with the sgl kernel and empties the logical weight; re-applying an MLA layer "
         "through the layerwise reload then copies a processed [..., 512] weight into the emptied [0] "
         "kernel tensor (RuntimeError in _copy_and_restore_kernel_tensors), and the sync fails closed "
-        "(Poisoned, never committed). Passed on the earlier CI machine without AMX."
+        "(Poisoned, never committed). Passed in earlier CI runs of the same code; first seen on a "
+        "machine whose CPU has AMX tiles, the only CPUs vLLM takes the sgl-kernel path on."
     ),
     strict=True,
 )
