@@ -43,9 +43,11 @@ test-unit:
 test-e2e: k8s-bins
 	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m e2e $(NO_VLLM) $(ARGS)
 
+# Both environments run even when the first fails (one run reports every failure).
 test-engines: k8s-bins
-	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/$(PYTEST) -p no:cacheprovider $(VLLM_TESTS) $(ARGS); \
-	V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m "engines and not vllm" $(NO_VLLM) $(ARGS)
+	@rc=0; VE=$$(bash tools/vllm_env.sh); $$VE/bin/$(PYTEST) -p no:cacheprovider $(VLLM_TESTS) $(ARGS) || rc=1; \
+	V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m "engines and not vllm" $(NO_VLLM) $(ARGS) || rc=1; \
+	exit $$rc
 
 # The planned sync between real processes with device and pinned-host staging over NCCL, against
 # plain torch.distributed send/recv; one JSON report. Needs CUDA (`make test` runs the gloo form
