@@ -207,15 +207,22 @@ def destination_participants(setup: DemoSetup, timeout_s: float = 60.0) -> list[
     return sorted(found, key=lambda p: p.meta.coord.key)
 
 
-def verify_destinations(setup: DemoSetup, version: str) -> list[str]:
-    """Problems found (empty = every destination rank holds exactly version `version`, bit for bit)."""
+def verify_destinations(
+    setup: DemoSetup, version: str, want_for: Callable[[RankCoord], dict[str, str]] | None = None
+) -> list[str]:
+    """Problems found (empty = every destination rank holds exactly version `version`, bit for bit).
+    `want_for(coord)`: the sha256 of every tensor that rank must hold; by default the demo's seeded
+    weights of `version` (a caller with its own reference, e.g. a trainer's, passes its own)."""
     problems = []
     participants = destination_participants(setup)
     sums = ray.get([p.handle.ws_sha256.remote() for p in participants])
     for p, got in zip(participants, sums, strict=True):
         if p.meta.version != version:
             problems.append(f"{p.name}: version {p.meta.version!r}, expected {version!r}")
-        want = expected_sha256(setup.manifest, "vllm", setup.dst, p.meta.coord, setup.seed, version)
+        if want_for is None:
+            want = expected_sha256(setup.manifest, "vllm", setup.dst, p.meta.coord, setup.seed, version)
+        else:
+            want = want_for(p.meta.coord)
         bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
         if bad:
             problems.append(f"{p.name}: {len(bad)} tensor(s) differ from the reference, e.g. {bad[0]}")

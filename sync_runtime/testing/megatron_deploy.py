@@ -32,7 +32,7 @@ from sync_runtime.schema.report import SyncReport
 from sync_runtime.testing.cluster import (
     DemoSetup,
     destination_name,
-    destination_participants,
+    verify_destinations,
     weightsync_spec,
 )
 from sync_runtime.testing.megatron_actors import BlankDestination, build_all, start_trainers
@@ -128,20 +128,12 @@ class MegatronDeployment:
             dataclasses.replace(t, dtype=dtypes.get(t.name, t.dtype)) for t in setup.manifest.tensors
         )
         manifest = dataclasses.replace(setup.manifest, tensors=tensors)
-        problems = []
-        participants = destination_participants(setup)
-        sums = ray.get([p.handle.ws_sha256.remote() for p in participants])
-        for p, got in zip(participants, sums, strict=True):
-            if p.meta.version != version:
-                problems.append(f"{p.name}: version {p.meta.version!r}, expected {version!r}")
-            shard = get_layout("vllm").shard(manifest, setup.dst, p.meta.coord)
-            want = {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in materialize(shard, canon).items()}
-            bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
-            if bad:
-                problems.append(f"{p.name}: {len(bad)} tensor(s) differ from the reference, e.g. {bad[0]}")
-        if len(participants) != setup.dst.world_size:
-            problems.append(f"found {len(participants)} destination ranks, expected {setup.dst.world_size}")
-        return problems
+
+        def want_for(coord: RankCoord) -> dict[str, str]:
+            shard = get_layout("vllm").shard(manifest, setup.dst, coord)
+            return {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in materialize(shard, canon).items()}
+
+        return verify_destinations(setup, version, want_for)
 
     def kill_destinations(self) -> None:
         for h in self.destinations:
