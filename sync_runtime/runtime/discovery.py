@@ -1,5 +1,6 @@
-"""Discovery: find a deployment's participants by Ray namespace and actor-name prefix, gather
-what each reports, and check it against the declared parallelism and the manifest.
+"""Discovery: find a deployment's participants by Ray namespace and actor-name prefix, and the
+actors registered for the deployment (runtime/registry.py); gather what each reports, and check
+it against the declared parallelism and the manifest.
 
 Names only select candidates; identity comes from the coordinates each participant reports.
 Every mismatch is found before a byte moves and reported together, each line naming the rank
@@ -32,6 +33,8 @@ from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError, describe_unexpected
 from sync_runtime.planner import SideSpec
 from sync_runtime.runtime.participant import ParticipantMeta
+from sync_runtime.runtime.registry import Registration, actor_id, forget_dead, registered
+from sync_runtime.runtime.servers import with_server_actors
 from sync_runtime.schema.crd import DeploymentRef, WeightSyncSpec
 
 MAX_LISTED = 12
@@ -80,24 +83,40 @@ def find_actors(namespace: str, prefix: str) -> list[tuple[str, Any]]:
     return [(name, ray.get_actor(name, namespace=namespace)) for name in found]
 
 
-def gather(ref: DeploymentRef, timeout_s: float) -> list[Participant]:
-    """Ask every candidate actor of `ref` for its meta, concurrently, within `timeout_s`."""
+def candidates(ref: DeploymentRef) -> tuple[list[tuple[str, Any]], dict[str, Registration]]:
+    """The named actors with `ref`'s prefix, then the actors registered for `ref.name` that are
+    not among them (runtime/registry.py); the second item maps registered names to registrations."""
     actors = find_actors(ref.ray_namespace, ref.actor_prefix)
-    if not actors:
+    seen = {actor_id(h) for _, h in actors}
+    extra = {r.name: r for r in registered(ref.ray_namespace, ref.name) if r.actor_id not in seen}
+    if not actors and not extra:
         raise DiscoveryError(
             f"deployment {ref.name!r}: no named actors starting with {ref.actor_prefix!r} "
-            f"in Ray namespace {ref.ray_namespace!r}"
+            f"in Ray namespace {ref.ray_namespace!r}, and no actors registered for {ref.name!r} there"
         )
+    return actors + [(r.name, r.handle) for r in extra.values()], extra
+
+
+def gather(ref: DeploymentRef, timeout_s: float) -> list[Participant]:
+    """Ask every candidate actor of `ref` for its meta, concurrently, within `timeout_s`."""
+    actors, extra = candidates(ref)
     refs = {h.ws_meta.remote(): (name, h) for name, h in actors}
     ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
         late = ", ".join(refs[r][0] for r in pending)
         raise DiscoveryError(f"deployment {ref.name!r}: no metadata within {timeout_s:g}s from {late}")
-    out = []
+    out, dead = [], []
     for r in ready:
         name, handle = refs[r]
         try:
             meta = ray.get(r)
+        except ray.exceptions.RayActorError as e:
+            if name not in extra:
+                raise DiscoveryError(
+                    f"deployment {ref.name!r}: actor {name} failed ws_meta: {describe_unexpected(e)}"
+                ) from e
+            dead.append(extra[name])  # a registration that outlived its actor: its rank is missing
+            continue
         except ray.exceptions.RayError as e:
             raise DiscoveryError(
                 f"deployment {ref.name!r}: actor {name} failed ws_meta: {describe_unexpected(e)}"
@@ -111,6 +130,7 @@ def gather(ref: DeploymentRef, timeout_s: float) -> list[Participant]:
             ]
             continue
         out.append(Participant(handle=handle, name=name, namespace=ref.ray_namespace, meta=meta))
+    forget_dead(ref.ray_namespace, ref.name, dead)
     return out
 
 
@@ -311,6 +331,7 @@ def discover_all(
 
     Raises the WeightSyncError of what is wrong (DiscoveryError, TopologyMismatchError,
     LayoutError), each with step discover."""
+    spec = with_server_actors(spec)  # vllmServers destinations: their proxies, attached now
     found = [gather(spec.source, timeout_s)] + [gather(d, timeout_s) for d in spec.destinations]
     manifest = manifest or _manifest(spec, found[0])
     roles = [Role.SOURCE] + [Role.DESTINATION] * len(spec.destinations)
