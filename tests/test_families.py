@@ -140,6 +140,9 @@ REAL = [
     ("glm-4.5-air", "megatron", "tp=4,pp=2,dp=4,ep=8", "tp=8,ep=8"),
     # No Megatron-Core layer spec holds Gemma 3's sandwich norms: an HF-layout (FSDP-style) source.
     ("gemma-3-27b", "hf", "tp=8,pp=2", "tp=8"),
+    # No megatron rule for gpt-oss's interleaved fused experts (see below): an HF-layout source.
+    ("gpt-oss-20b", "hf", "tp=4,pp=2,dp=2,ep=4", "tp=8,ep=8"),
+    ("gpt-oss-20b", "hf", "tp=8", "tp=4,replicas=2"),
 ]
 
 
@@ -154,3 +157,60 @@ def test_real_config_plans_at_the_lower_bound(
     summary = json.loads(out.out)
     assert summary["model_bytes"] == build_manifest(load_model_config(preset)).nbytes
     assert summary["wire_bytes"] == summary["lower_bound_bytes"]
+
+
+GPT_OSS_GRID = {
+    "vllm": ["tp=1", "tp=2", "tp=4", "tp=4,ep=4", "tp=2,pp=3", "tp=2,ep=2,pp=2,replicas=2"],
+    "hf": ["tp=1", "tp=2", "tp=4,ep=4", "tp=2,pp=2", "tp=2,dp=2"],
+}
+
+
+@pytest.mark.parametrize(("layout", "spec"), [(lay, s) for lay, specs in GPT_OSS_GRID.items() for s in specs])
+def test_gpt_oss_round_trip(layout: str, spec: str) -> None:
+    assert_round_trip(layout, build_manifest(load_model_config("tiny-gpt-oss")), ParallelSpec.parse(spec))
+
+
+def test_gpt_oss_manifest_equals_transformers() -> None:
+    # Fused experts as the checkpoint stores them (not unfused), sinks, o_proj and router biases.
+    for preset in ("tiny-gpt-oss", "gpt-oss-20b"):
+        config = load_model_config(preset)
+        m, meta = build_manifest(config), meta_manifest(config)
+        assert {t.name: t.shape for t in m.tensors} == {n: s for n, s, _ in meta.tensors}
+        assert m.nbytes == meta.parameter_count * 2
+        assert {t.dtype for t in m.tensors} == {"bfloat16"}
+    assert meta.parameter_count == 20_914_757_184  # gpt-oss-20b, transformers' own count
+
+
+def test_gpt_oss_names_per_layout() -> None:
+    m = build_manifest(load_model_config("tiny-gpt-oss"))
+    names = {t.name: t.shape for t in m.tensors}
+    assert names[L0 + "mlp.experts.gate_up_proj"] == (8, 64, 128)  # (E, H, 2Im) interleaved
+    assert names[L0 + "self_attn.sinks"] == (8,)
+    assert L0 + "self_attn.o_proj.bias" in names and L0 + "mlp.router.bias" in names
+    spec = ParallelSpec(tp=2)
+    r1 = get_layout("vllm").shard(m, spec, RankCoord(role=Role.DESTINATION, tp_rank=1))
+    local = {t.name: t.shape for t in r1.tensors}
+    assert "model.embedding.weight" in local and L0 + "attn.qkv_proj.bias" in local
+    assert local[L0 + "attn.sinks"] == (4,)
+    assert local[L0 + "attn.o_proj.bias"] == (64,)
+    experts = L0 + "mlp.experts.routed_experts."
+    # Rank 1 holds Im rows [32, 64): gate_up columns [64, 128), whole gate/up pairs.
+    (w13,) = [p for p in r1.pieces if p.local_name == experts + "w13_weight"]
+    assert w13.canon_box == ((0, 8), (0, 64), (64, 128))
+    assert local[experts + "w13_bias"] == (8, 64) and local[experts + "w2_weight"] == (8, 32, 64)
+    # vLLM zeroes w2_bias on TP ranks > 0: held, but no piece of the canonical bias lands there.
+    assert local[experts + "w2_bias"] == (8, 64)
+    assert not [p for p in r1.pieces if p.local_name == experts + "w2_bias"]
+    r0 = get_layout("vllm").shard(m, spec, RankCoord(role=Role.DESTINATION, tp_rank=0))
+    assert [p.canon_box for p in r0.pieces if p.local_name == experts + "w2_bias"] == [((0, 8), (0, 64))]
+
+
+def test_gpt_oss_refusals() -> None:
+    m = build_manifest(load_model_config("tiny-gpt-oss"))
+    with pytest.raises(LayoutError, match="gpt-oss"):
+        get_layout("megatron").validate(m, ParallelSpec(tp=2))
+    # vLLM's gpt-oss attention divides nkv by tp: KV heads cannot be replicated.
+    with pytest.raises(LayoutError, match="nkv=4 not divisible by tp=8"):
+        get_layout("vllm").validate(m, ParallelSpec(tp=8))
+    with pytest.raises(ModelConfigError, match="mxfp4"):
+        build_manifest(load_model_config("gpt-oss-20b") | {"quantization_config": {"quant_method": "mxfp4"}})

@@ -10,6 +10,8 @@ transformers 5 holds routed experts fused (`mlp.experts.gate_up_proj` of shape (
 `mlp.experts.down_proj` of shape (E, H, I)) and converts published checkpoints on load; the
 canonical manifest keeps the checkpoint's per-expert tensors. `UNFUSE` is that one layout
 difference, as a table: fused suffix -> the per-expert tensors it splits into along dim 1.
+Families whose checkpoint stores the experts fused too (`CHECKPOINT_FUSED_EXPERTS`, gpt-oss,
+whose fused tensors are (E, H, 2I) with gate/up interleaved and carry biases) are not unfused.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES, model_family
+from sync_runtime.core.models.config import CHECKPOINT_FUSED_EXPERTS, MOE_CHECKPOINT_NAMES, model_family
 from sync_runtime.errors import ModelConfigError
 
 MetaTensor = tuple[str, tuple[int, ...], str]
@@ -135,6 +137,9 @@ def meta_manifest(config: dict[str, Any]) -> MetaManifest:
         if name in dropped:
             continue
         dtype = str(value.dtype).removeprefix("torch.")
+        if family in CHECKPOINT_FUSED_EXPERTS:
+            tensors.append((name, tuple(value.shape), dtype))
+            continue
         for part_name, shape, part_dtype in unfuse(name, tuple(value.shape), dtype):
             tensors.append((checkpoint_name(part_name, family), shape, part_dtype))
     count = sum(p.numel() for p in model.parameters())

@@ -7,10 +7,12 @@ down projections by columns; embedding and lm_head by rows over V padded to a mu
 (padding rows uncovered, i.e. zero); everything else is a full copy. Routed experts: with
 ep == tp, expert e lives whole on ep rank e // (E/ep); without EP each expert is split like a
 dense MLP. PP stages hold layer ranges as in `stage_layer_ranges`. DP ranks hold identical copies.
+gpt-oss's fused experts: layouts/fused_experts.py.
 """
 
 from __future__ import annotations
 
+from sync_runtime.core.layouts import fused_experts
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
@@ -65,6 +67,7 @@ RULES: dict[str, str] = {
     "post_attention_layernorm.weight": "full",
     "pre_feedforward_layernorm.weight": "full",
     "post_feedforward_layernorm.weight": "full",
+    **fused_experts.HF_RULES,
 }
 
 
@@ -73,6 +76,8 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
     require_stage_split(d.num_layers, spec, NAME)
     for layer in view.layers:
         for suffix in layer.dense:
+            if suffix in fused_experts.HF_EXPERTS:
+                continue
             require(suffix in RULES, NAME, layer.prefix + suffix, "no rule of this layout covers the tensor")
     require(spec.ep in (1, t), NAME, "ep", f"ep={spec.ep} must be 1 or equal to tp={t}")
     if d.num_experts and spec.ep > 1:
@@ -82,6 +87,8 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
             "mlp.experts",
             f"E={d.num_experts} not divisible by ep={spec.ep}",
         )
+    if d.fused_experts:
+        fused_experts.check(view, spec, NAME)
     if t == 1:
         return
     q_name = "model.layers.0.self_attn." + (
@@ -164,7 +171,10 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
     for i in stages[coord.pp_rank]:
         layer = view.layers[i]
         for suffix, t in layer.dense.items():
-            _place(out, t, RULES[suffix], spec, r, view)
+            if suffix not in fused_experts.HF_EXPERTS:
+                _place(out, t, RULES[suffix], spec, r, view)
+        if view.dims.fused_experts:
+            fused_experts.hf_experts(out, view, layer, layer.dense, spec, coord)
         _experts(out, view, layer, spec, coord)
     if last:
         out.full(view.top[FINAL_NORM], FINAL_NORM)

@@ -51,6 +51,7 @@ from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
+    NO_MEGATRON_RULE,
     LayerView,
     ModelView,
     RuleLayout,
@@ -185,8 +186,8 @@ def _divisible(n: int, t: int, subject: str, what: str, layout: str) -> None:
 
 def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
     d, t, name = view.dims, spec.tp, naming.layout
-    # Megatron-Core's GPT layer specs have no norm after attention and after the MLP (Gemma 3).
     require(not d.sandwich_norms, name, d.model_type, "no Megatron-Core layer spec holds Gemma 3's norms")
+    require(not d.fused_experts, name, d.model_type, NO_MEGATRON_RULE)
     try:
         chunk_ranges(d.num_layers, spec)
     except TopologyError as e:

@@ -21,10 +21,12 @@ stage (vLLM's lm_head then *is* embed_tokens.weight, it never holds its own copy
 per-rank shapes are those vLLM 0.32 reports from its pre-load metadata
 (engines/vllm_apply.engine_tensors; tests/engines/test_vllm_*.py check them against a live
 engine). Layer names keep global indices; stage ranges come from `stage_layer_ranges`.
+gpt-oss (biased attention with sinks, fused biased experts): layouts/fused_experts.py.
 """
 
 from __future__ import annotations
 
+from sync_runtime.core.layouts import fused_experts
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
@@ -124,6 +126,8 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
             "mlp.shared_experts.gate_up_proj.weight",
             f"shared intermediate {d.shared_intermediate} not divisible by tp={t}",
         )
+    if d.fused_experts:
+        fused_experts.check(view, spec, NAME)
     check_coverage(view, NAME, lambda out, layer, dense: _layer(out, view, layer, dense, spec, _ZERO))
 
 
@@ -131,7 +135,9 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
 _ZERO = RankCoord(role=Role.DESTINATION)
 
 
-def _qkv(out: ShardBuilder, view: ModelView, p: str, dense: dict[str, TensorMeta], t: int, r: int) -> None:
+def _qkv(
+    out: ShardBuilder, view: ModelView, p: str, dense: dict[str, TensorMeta], t: int, r: int, attn: str
+) -> None:
     d = view.dims
     q0, q1 = part(d.num_heads, t, r)
     k0, k1 = kv_head_range(d.num_kv_heads, t, r)
@@ -141,7 +147,7 @@ def _qkv(out: ShardBuilder, view: ModelView, p: str, dense: dict[str, TensorMeta
         q, k, v = (dense[f"self_attn.{x}_proj.{kind}"] for x in "qkv")
         hd = d.head_dim
         out.concat_rows(
-            f"{p}self_attn.qkv_proj.{kind}",
+            f"{p}{attn}qkv_proj.{kind}",
             [(q, q0 * hd, q1 * hd), (k, k0 * hd, k1 * hd), (v, k0 * hd, k1 * hd)],
         )
 
@@ -209,11 +215,15 @@ def _layer(
     coord: RankCoord,
 ) -> None:
     p, t, r = layer.prefix, spec.tp, coord.tp_rank
+    attn = fused_experts.VLLM_ATTN if view.dims.fused_experts else "self_attn."
     if view.dims.mla:
         _mla(out, p, dense, t, r)
     else:
-        _qkv(out, view, p, dense, t, r)
-    out.split(dense["self_attn.o_proj.weight"], f"{p}self_attn.o_proj.weight", 1, t, r)
+        _qkv(out, view, p, dense, t, r, attn)
+    out.split(dense["self_attn.o_proj.weight"], f"{p}{attn}o_proj.weight", 1, t, r)
+    if view.dims.fused_experts:  # gpt-oss: the rest of its layer has rules of its own
+        fused_experts.vllm_layer(out, view, layer, dense, spec, coord)
+        return
     if "mlp.gate_proj.weight" in dense:
         _gate_up(out, p, "mlp.", dense, t, r)
     if "mlp.shared_experts.gate_proj.weight" in dense:
@@ -232,7 +242,8 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
     t, r = spec.tp, coord.tp_rank
     vp = round_up(view.dims.vocab, VOCAB_MULTIPLE)
     if first:
-        out.vocab_rows(view.top[EMBED], EMBED, vp, t, r)
+        embed = fused_experts.VLLM_EMBED if view.dims.fused_experts else EMBED
+        out.vocab_rows(view.top[EMBED], embed, vp, t, r)
     for i in stages[coord.pp_rank]:
         layer = view.layers[i]
         _layer(out, view, layer, layer.dense, spec, coord)

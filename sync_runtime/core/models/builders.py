@@ -58,6 +58,10 @@ def _gqa_attention(p: str, d: ModelDims) -> Iterator[TensorMeta]:
     if d.qkv_bias:
         yield _t(f"{p}.self_attn.v_proj.bias", kv_rows)
     yield _t(f"{p}.self_attn.o_proj.weight", d.hidden, q_rows)
+    if d.o_bias:
+        yield _t(f"{p}.self_attn.o_proj.bias", d.hidden)
+    if d.attn_sinks:
+        yield _t(f"{p}.self_attn.sinks", d.num_heads)
     if d.qk_norm:
         yield _t(f"{p}.self_attn.q_norm.weight", d.head_dim)
         yield _t(f"{p}.self_attn.k_norm.weight", d.head_dim)
@@ -92,11 +96,25 @@ def _named_moe(p: str, d: ModelDims) -> Iterator[TensorMeta]:
             yield TensorMeta(expert + ckpt[t.name[len(expert) :]], t.shape, t.dtype)
 
 
+def _fused_moe(p: str, d: ModelDims) -> Iterator[TensorMeta]:
+    """gpt-oss: a biased router, then the experts fused as the checkpoint stores them."""
+    e, h, im = d.num_experts, d.hidden, d.moe_intermediate
+    yield _t(f"{p}.mlp.router.weight", e, h)
+    yield _t(f"{p}.mlp.router.bias", e)
+    yield _t(f"{p}.mlp.experts.gate_up_proj", e, h, 2 * im)  # gate, up interleaved on the last dim
+    yield _t(f"{p}.mlp.experts.gate_up_proj_bias", e, 2 * im)
+    yield _t(f"{p}.mlp.experts.down_proj", e, im, h)
+    yield _t(f"{p}.mlp.experts.down_proj_bias", e, h)
+
+
 def _moe_mlp(p: str, d: ModelDims) -> Iterator[TensorMeta]:
     # HF module order: experts, gate (router), shared_experts (DeepSeek-V3); Qwen3-MoE has
     # gate first, but checkpoint order only fixes iteration order, never names or shapes.
     if d.family in MOE_CHECKPOINT_NAMES:
         yield from _named_moe(p, d)
+        return
+    if d.fused_experts:
+        yield from _fused_moe(p, d)
         return
     if d.family == "qwen3_moe":
         yield _t(f"{p}.mlp.gate.weight", d.num_experts, d.hidden)

@@ -26,6 +26,7 @@ _ARCH_FAMILY: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Glm4MoeForCausalLM": "glm4_moe",
     "Gemma3ForCausalLM": "gemma3_text",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _TYPE_FAMILY: dict[str, str] = {
     "llama": "llama",
@@ -37,8 +38,20 @@ _TYPE_FAMILY: dict[str, str] = {
     "mixtral": "mixtral",
     "glm4_moe": "glm4_moe",
     "gemma3_text": "gemma3_text",
+    "gpt_oss": "gpt_oss",
 }
-FAMILIES: tuple[str, ...] = ("llama", "qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe", "gemma3_text")
+FAMILIES: tuple[str, ...] = (
+    "llama",
+    "qwen3_moe",
+    "deepseek_v3",
+    "mixtral",
+    "glm4_moe",
+    "gemma3_text",
+    "gpt_oss",
+)
+CHECKPOINT_FUSED_EXPERTS: frozenset[str] = frozenset({"gpt_oss"})
+"""Families whose checkpoint itself stores routed experts fused (gpt-oss: `mlp.experts.gate_up_proj`
+(E, H, 2Im) with gate and up interleaved on the last dim, `down_proj` (E, Im, H), and their biases)."""
 
 MOE_CHECKPOINT_NAMES: dict[str, tuple[str, dict[str, str]]] = {
     # family -> (its MoE block's module name, {per-expert checkpoint suffix: canonical suffix}).
@@ -124,6 +137,12 @@ class ModelDims:
     """Dense MLP gate/up/down projections have biases (Llama's `mlp_bias`)."""
     sandwich_norms: bool = False
     """pre_feedforward_layernorm and post_feedforward_layernorm around the MLP (Gemma 3)."""
+    o_bias: bool = False
+    """o_proj has a bias too (gpt-oss's attention_bias covers all four projections)."""
+    attn_sinks: bool = False
+    """Per-head learned attention sinks `self_attn.sinks` [nh] (gpt-oss)."""
+    fused_experts: bool = False
+    """Routed experts stored fused in the checkpoint (CHECKPOINT_FUSED_EXPERTS), with biases."""
     num_experts: int = 0
     """E routed experts (0 for dense models)."""
     moe_intermediate: int = 0
@@ -219,6 +238,23 @@ def _mixtral(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     dims = _gqa(config, base)
     return {
         **dims,
+        "num_experts": _pos_int(config, "num_local_experts"),
+        "moe_intermediate": base["intermediate"],
+        "moe_layers": frozenset(range(base["num_layers"])),
+    }
+
+
+def _gpt_oss(config: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    # GQA whose attention_bias adds q/k/v *and* o_proj biases, per-head sinks; every layer MoE
+    # with a biased router and biased, fused experts (intermediate_size is the per-expert size).
+    dims = _gqa({**config, "attention_bias": False}, base)
+    bias = bool(config.get("attention_bias"))
+    return {
+        **dims,
+        "qkv_bias": bias,
+        "o_bias": bias,
+        "attn_sinks": True,
+        "fused_experts": True,
         "num_experts": _pos_int(config, "num_local_experts"),
         "moe_intermediate": base["intermediate"],
         "moe_layers": frozenset(range(base["num_layers"])),
@@ -322,6 +358,8 @@ def model_dims(config: dict[str, Any]) -> ModelDims:
         fields = _mixtral(config, base)
     elif family == "glm4_moe":
         fields = _glm4_moe(config, base)
+    elif family == "gpt_oss":
+        fields = _gpt_oss(config, base)
     else:
         fields = _deepseek_v3(config, base)
     dims = ModelDims(**fields)
