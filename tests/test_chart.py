@@ -31,6 +31,7 @@ RUNTIME_RULES = {
     ("weightsync.io", "weightsyncs"): {"get", "list", "watch"},
     ("weightsync.io", "weightsyncs/status"): {"patch"},
     ("ray.io", "rayclusters"): {"get"},
+    ("", "pods"): {"list"},
 }
 
 

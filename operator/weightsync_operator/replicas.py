@@ -31,6 +31,7 @@ def replica_statuses(report: SyncReport | None, prior: Sequence[ReplicaStatus]) 
             state=r.state.value,
             reason=r.reason,
             rank_versions=list(r.rank_versions),
+            pause_seconds=r.pause_seconds,
         )
         for r in report.replicas
     ]

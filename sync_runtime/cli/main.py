@@ -115,6 +115,10 @@ class _DelegateMissing(Exception):
 def _delegate(name: str, module: str) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         loaded = _load(module)
+        if name == "run":  # vllmServers destinations are attached by the engine layer
+            from sync_runtime.engines.vllm_servers import install
+
+            install(args.namespace, args.name)
         plan_args = CHECKS[name](loaded, args)
         if plan_args is not None:  # the sync it will run, planned now: nothing has started yet
             inputs = sync_inputs(plan_args)

@@ -157,6 +157,7 @@ class VllmEngineRanks(RankBatcher):
         self._update_open = False
         self._paused_at: float | None = None
         self._pauses: list[float] = []
+        self._last_pause: float | None = None
         ctx = ray.get_runtime_context()
         world = control.world_size()
         self._init_batcher(world)
@@ -186,6 +187,12 @@ class VllmEngineRanks(RankBatcher):
         with self._state:
             return list(self._pauses)
 
+    def ws_pause_seconds(self) -> float | None:
+        """The pause the latest resume ended (None: that resume ended no pause); the commit
+        phase reads it per replica for the report, right after resuming it."""
+        with self._state:
+            return self._last_pause
+
     def weight_version(self) -> str:
         return self._control.version()
 
@@ -214,6 +221,8 @@ class VllmEngineRanks(RankBatcher):
     def _after_batch(self, batch: Batch) -> None:
         if batch.method != "ws_resume":
             return
+        with self._state:
+            self._last_pause = None
         resumed = len(batch.args) == self._ranks and all(r == ("ok", True) for r in batch.results)
         if not resumed:
             return  # a rank does not hold the version: the replica stays paused (commit.py)
@@ -224,7 +233,8 @@ class VllmEngineRanks(RankBatcher):
                 self._update_open = False
             if self._paused_at is not None:
                 self._control.resume()
-                self._pauses.append(time.monotonic() - self._paused_at)
+                self._last_pause = time.monotonic() - self._paused_at
+                self._pauses.append(self._last_pause)
                 self._paused_at = None
 
     def _pause_engine(self) -> None:

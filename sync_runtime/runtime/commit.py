@@ -150,13 +150,30 @@ def settle(dests: Sequence[Dest], timeout_s: float) -> list[ReplicaVersion]:
         else:
             state, reason = ReplicaState.DEGRADED, MixedVersions.reason.value
         version = versions[0] if uniform else None
+        pause = replica_pause_seconds(members, timeout_s) if uniform else None
         out.append(
             ReplicaVersion(
                 deployment=deployment, replica=replica, version=version, state=state, reason=reason,
-                rank_versions=versions,
+                rank_versions=versions, pause_seconds=pause,
             )
         )  # fmt: skip
     return out
+
+
+def replica_pause_seconds(members: Sequence[Dest], timeout_s: float) -> float | None:
+    """The pause a replica measured itself, read right after its resume: an engine's proxy
+    (engines/vllm_ranks.py, all ranks of one engine behind one actor) has `ws_pause_seconds`;
+    any other destination reports none."""
+    proxy = getattr(members[0].p.handle, "actor", None)  # a RankHandle's actor; else no attribute
+    method = getattr(proxy, "ws_pause_seconds", None) if proxy is not None else None
+    if method is None:
+        return None
+    try:
+        seconds = ray.get(method.remote(), timeout=timeout_s)
+    except ray.exceptions.RayError as e:
+        log.warning("pause seconds of %s: %s", members[0].p.name, e)
+        return None
+    return None if seconds is None else float(seconds)
 
 
 def replica_failure(replicas: Sequence[ReplicaVersion]) -> SyncFailure | None:

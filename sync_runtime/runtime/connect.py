@@ -28,7 +28,7 @@ def resolve_address(spec: WeightSyncSpec, namespace: str | None = None) -> str |
     namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
     read = _kube_reader()
     try:
-        addresses = {crd.resolve_ray_address(r, namespace, read) for r in spec.deployments()}
+        addresses = {crd.resolve_ray_address(r, namespace, read) for r in crd.ray_deployments(spec)}
     except (ValueError, WeightSyncError):
         return None
     return addresses.pop() if len(addresses) == 1 else None
@@ -40,7 +40,7 @@ def connect_ray(spec: WeightSyncSpec, namespace: str | None = None) -> str:
     Returns the resolved address; a process already connected (the demo's driver) is reused.
     """
     namespace = namespace or os.environ.get("POD_NAMESPACE", "default")
-    refs = spec.deployments()
+    refs = crd.ray_deployments(spec)  # vllmServers destinations are attached in this cluster
     read = _kube_reader()
     try:
         addresses = [crd.resolve_ray_address(r, namespace, read) for r in refs]

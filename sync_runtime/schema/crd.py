@@ -99,6 +99,27 @@ class Parallelism(CrdModel):
         )
 
 
+PauseMode = Literal["keep", "wait", "abort"]
+"""How a vLLM server's requests in flight are treated while its apply runs (vLLM's `/pause?mode=`):
+keep = frozen and continued on the new weights, wait = finished on the old weights first,
+abort = ended with finish_reason "abort"."""
+
+
+class LabelSelector(CrdModel):
+    """Pods by labels (equality only: `matchLabels`), in the WeightSync's namespace."""
+
+    match_labels: dict[str, str] = Field(min_length=1)
+
+
+class VllmServers(CrdModel):
+    """A destination made of `vllm serve` pods (one replica per Ready pod, ordered by pod name),
+    each started with `--weight-transfer-config '{"backend": "weightsync"}'` and
+    `VLLM_SERVER_DEV_MODE=1`; the runtime drives them through vLLM's RL routes on `port`."""
+
+    selector: LabelSelector
+    port: int = Field(8000, ge=1, le=65535)
+
+
 StagingPolicy = Literal["host", "device", "inplace"]
 """Where a destination holds a sync's bytes until the commit decision (docs/update-protocol.md):
 host memory (default), a device shadow copy (2x device memory), or live memory (engine paused)."""
@@ -113,14 +134,23 @@ class DeploymentRef(CrdModel):
     ray_cluster: str | None = None
     """A KubeRay RayCluster in the same namespace; the runtime joins its head's GCS as a driver."""
     ray_namespace: str = "weightsync"
-    actor_prefix: str
-    """Participants are the named Ray actors whose names start with this prefix."""
+    actor_prefix: str | None = None
+    """Participants are the named Ray actors whose names start with this prefix (a source, and a
+    destination without vllmServers)."""
     layout: Literal["megatron", "megatron-te", "vllm", "hf"]
     parallelism: Parallelism = Parallelism()
     auth_secret_ref: SecretKeyRef | None = None
     """Secret holding the Ray auth token; reaches the runtime only as a secretKeyRef env var."""
     staging: StagingPolicy | None = None
     """Destinations only: overrides transport.staging for this deployment's ranks."""
+    vllm_servers: VllmServers | None = None
+    """Destinations only, instead of rayAddress/rayCluster/actorPrefix: `vllm serve` pods by label."""
+    pause: PauseMode | None = None
+    """vllmServers destinations only: the pause mode around each server's apply (unset: keep)."""
+
+    @property
+    def pause_mode(self) -> PauseMode:
+        return self.pause or "keep"
 
 
 RAYCLUSTER_GROUP, RAYCLUSTER_VERSION, RAYCLUSTER_PLURAL = "ray.io", "v1", "rayclusters"
@@ -239,6 +269,15 @@ class WeightSyncSpec(CrdModel):
 # ---- spec rules the schema's CEL also enforces (same messages) ----------------------------------
 
 MSG_ONE_ADDRESS = "exactly one of rayAddress or rayCluster must be set"
+MSG_SOURCE_PREFIX = "source: actorPrefix must be set"
+MSG_SOURCE_SERVERS = "source: vllmServers and pause apply to destinations only"
+MSG_DEST_TARGET = "destination: exactly one of actorPrefix or vllmServers must be set"
+MSG_SERVERS_NO_RAY = (
+    "vllmServers: rayAddress and rayCluster must not be set (the runtime attaches the servers in "
+    "the source's Ray cluster)"
+)
+MSG_SERVERS_LAYOUT = "vllmServers: layout must be vllm"
+MSG_PAUSE_SERVERS = "pause applies to vllmServers destinations only"
 MSG_UNIQUE_DESTINATIONS = "destination names must be unique"
 MSG_SOURCE_NAME_CLASH = "destination names must differ from the source name"
 MEGATRON_LAYOUTS = ("megatron", "megatron-te")
@@ -265,7 +304,7 @@ MSG_RAY_AUTH = (
 def _deployment_problems(ref: DeploymentRef, where: str) -> list[str]:
     p = ref.parallelism
     out = []
-    if (ref.ray_address is None) == (ref.ray_cluster is None):
+    if ref.vllm_servers is None and (ref.ray_address is None) == (ref.ray_cluster is None):
         out.append(f"{where}: {MSG_ONE_ADDRESS}")
     if p.layer_counts is not None and len(p.layer_counts) != p.pp:
         out.append(f"{where}.parallelism: {MSG_LAYER_COUNTS}")
@@ -274,6 +313,27 @@ def _deployment_problems(ref: DeploymentRef, where: str) -> list[str]:
     if p.vpp > 1 and ref.layout not in MEGATRON_LAYOUTS:
         out.append(f"{where}: {MSG_VPP_MEGATRON}")
     return out
+
+
+def _server_problems(dest: DeploymentRef, where: str) -> list[str]:
+    """A destination names its engines either by actor prefix or as vLLM server pods."""
+    out = []
+    if (dest.actor_prefix is None) == (dest.vllm_servers is None):
+        out.append(f"{where}: {MSG_DEST_TARGET}")
+    if dest.vllm_servers is not None:
+        if dest.ray_address is not None or dest.ray_cluster is not None:
+            out.append(f"{where}: {MSG_SERVERS_NO_RAY}")
+        if dest.layout != "vllm":
+            out.append(f"{where}: {MSG_SERVERS_LAYOUT}")
+    elif dest.pause is not None:
+        out.append(f"{where}: {MSG_PAUSE_SERVERS}")
+    return out
+
+
+def ray_deployments(spec: WeightSyncSpec) -> list[DeploymentRef]:
+    """The deployments that name a Ray cluster (vllmServers destinations are attached in the
+    source's cluster and name none)."""
+    return [d for d in spec.deployments() if d.vllm_servers is None]
 
 
 def spec_problems(spec: WeightSyncSpec) -> list[str]:
@@ -294,6 +354,10 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
         out.append(f"spec.source: {MSG_SOURCE_REPLICAS}")
     if spec.source.staging is not None:
         out.append(f"spec.source: {MSG_SOURCE_STAGING}")
+    if spec.source.actor_prefix is None:
+        out.append(f"spec.source: {MSG_SOURCE_PREFIX}")
+    if spec.source.vllm_servers is not None or spec.source.pause is not None:
+        out.append(f"spec.source: {MSG_SOURCE_SERVERS}")
     names = [d.name for d in spec.destinations]
     if len(set(names)) != len(names):
         out.append(f"spec.destinations: {MSG_UNIQUE_DESTINATIONS}")
@@ -310,12 +374,15 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
             out.append(f"{where}: {MSG_DEST_DP}")
         if (p.etp, p.vpp) != (1, 1):
             out.append(f"{where}: {MSG_DEST_ETP_VPP}")
+        out += _server_problems(dest, where)
     if spec.transport.bucket_mb * 2 > spec.transport.staging_budget_mb:
         out.append(f"spec.transport: {MSG_BUCKET}")
     if spec.retry.max_backoff_seconds < spec.retry.backoff_seconds:
         out.append(f"spec.retry: {MSG_BACKOFF}")
     if not re.fullmatch(VERSION_PATTERN, spec.version):
         out.append(f"spec.version: {MSG_VERSION}")
-    if not spec.allow_unauthenticated_ray and any(d.auth_secret_ref is None for d in spec.deployments()):
+    if not spec.allow_unauthenticated_ray and any(
+        d.auth_secret_ref is None and d.vllm_servers is None for d in spec.deployments()
+    ):
         out.append(f"spec: {MSG_RAY_AUTH}")
     return out

@@ -95,6 +95,10 @@ class ReplicaVersion(WireModel):
     reason: str | None = None
     rank_versions: list[str | None] = []
     """Committed version per rank of the replica (None: the rank did not answer)."""
+    pause_seconds: float | None = None
+    """Seconds this sync's apply held the replica's generation paused (a vLLM engine's own pause
+    to resume), apart from transfer seconds; None where the replica was not paused by this sync
+    or its destination does not measure it."""
 
 
 class SyncReport(WireModel):

@@ -114,6 +114,8 @@ class ReplicaStatus(StatusModel):
     state: str
     reason: str | None = None
     rank_versions: list[str | None] = []
+    pause_seconds: float | None = None
+    """report.ReplicaVersion.pause_seconds: one number per replica, no per-rank table."""
 
 
 class RestartStatus(StatusModel):

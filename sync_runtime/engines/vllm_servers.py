@@ -1,0 +1,126 @@
+"""The attacher of `vllmServers` destinations: one `VllmEngineRanks` proxy per Ready server pod.
+
+Installed by `weightsync run` (`install`); discovery calls it before each sync
+(runtime/servers.py). Per destination it lists the pods the selector matches (kube/pods.py),
+refuses a replica count or a server world size that differs from the declared parallelism, one
+line naming the pod, and keeps one proxy actor per (pod uid, replica index): a proxy whose pod
+is gone, restarted (new uid) or moved to another index is killed and a new one attached, so a
+restarted server joins the next sync. The proxies are owned by this process (not detached):
+they end with the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import ray
+
+from sync_runtime.engines.vllm_http import HttpControl
+from sync_runtime.engines.vllm_ranks import attach
+from sync_runtime.errors import DestinationError, DiscoveryError, TopologyMismatchError, describe_unexpected
+from sync_runtime.kube.pods import (
+    ServerEndpoint,
+    ServerPod,
+    check_servers,
+    label_selector,
+    list_server_pods,
+    world_size_problem,
+)
+from sync_runtime.runtime import servers
+from sync_runtime.schema.crd import DeploymentRef
+
+log = logging.getLogger("weightsync.servers")
+ATTACH_TIMEOUT_S = 300.0
+"""A new proxy's setup: `init_weight_transfer_engine` on every worker of its server."""
+
+PodLister = Callable[[str, Mapping[str, str]], Sequence[ServerPod]]
+
+
+def proxy_prefix(weightsync: str, deployment: str) -> str:
+    """Actor-name prefix of one destination's proxies. Dots cannot occur in either name, so no
+    destination's prefix is a prefix of another's."""
+    return f"wsservers.{weightsync}.{deployment}."
+
+
+class ServerAttacher:
+    """`runtime.servers.ServerAttacher` over the Kubernetes API and vLLM's HTTP routes."""
+
+    def __init__(
+        self,
+        namespace: str,
+        weightsync: str,
+        list_pods: PodLister = list_server_pods,
+        timeout_s: float = ATTACH_TIMEOUT_S,
+    ) -> None:
+        self.namespace, self.weightsync = namespace, weightsync
+        self._list, self._timeout_s = list_pods, timeout_s
+        self._proxies: dict[str, dict[tuple[str, int], tuple[str, Any]]] = {}
+
+    def __call__(self, ref: DeploymentRef) -> str:
+        conf = ref.vllm_servers
+        if conf is None:
+            raise DiscoveryError(f"deployment {ref.name!r} names no vllmServers")
+        labels = conf.selector.match_labels
+        pods = self._list(self.namespace, labels)
+        found = check_servers(ref.name, label_selector(labels), pods, ref.parallelism.replicas, conf.port)
+        held = self._proxies.setdefault(ref.name, {})
+        wanted = {(e.uid, e.replica) for e in found}
+        for key in [k for k in held if k not in wanted]:
+            _kill(held.pop(key))
+        prefix = proxy_prefix(self.weightsync, ref.name)
+        for e in found:
+            key = (e.uid, e.replica)
+            if key in held and _alive(held[key][1]):
+                continue
+            if key in held:
+                _kill(held.pop(key))
+            held[key] = self._attach(ref, e, prefix)
+        return prefix
+
+    def _attach(self, ref: DeploymentRef, e: ServerEndpoint, prefix: str) -> tuple[str, Any]:
+        where = f"deployment {ref.name!r}: vLLM server pod {e.pod} ({e.url})"
+        control = HttpControl(e.url)
+        try:
+            world = control.world_size()
+        except DestinationError as err:
+            raise DiscoveryError(f"{where}: {err.message}") from err
+        problem = world_size_problem(ref.name, e.pod, world, ref.parallelism.tp, ref.parallelism.pp)
+        if problem is not None:
+            raise TopologyMismatchError(problem)
+        name = f"{prefix}{e.replica:04d}.{e.pod}.{e.uid[:8]}"
+        handle = attach(
+            name, ref.ray_namespace, control, replica=e.replica, pause=ref.pause_mode, ranks=world
+        )
+        try:  # the proxy's constructor runs init_weight_transfer_engine on every worker
+            ray.get(handle.ws_num_ranks.remote(), timeout=self._timeout_s)
+        except ray.exceptions.RayError as err:
+            _kill((name, handle))
+            raise DiscoveryError(
+                f"{where}: the weightsync backend did not start: {describe_unexpected(err)}"
+            ) from err
+        log.info("attached %s (replica %d, %d worker(s), pause %s)", e.pod, e.replica, world, ref.pause_mode)
+        return name, handle
+
+
+def _alive(handle: Any) -> bool:
+    try:
+        ray.get(handle.ws_num_ranks.remote(), timeout=10.0)
+    except ray.exceptions.RayError:
+        return False
+    return True
+
+
+def _kill(entry: tuple[str, Any]) -> None:
+    try:
+        ray.kill(entry[1])
+    except Exception as e:  # already gone with its server or its node: nothing left to end
+        log.info("proxy %s: %s", entry[0], describe_unexpected(e))
+
+
+def install(namespace: str | None, weightsync: str | None) -> None:
+    """Install the attacher for the runtime's WeightSync (`weightsync run`)."""
+    ns = namespace or os.environ.get("POD_NAMESPACE") or "default"
+    servers.install(ServerAttacher(ns, weightsync or "weightsync"))

@@ -1,0 +1,227 @@
+"""vllmServers destinations: the CRD fields, resolving server pods into replicas, pause seconds.
+
+The pure parts: which pods serve and in what order, the refusals (replica count, world size)
+before anything is attached, the spec the runtime discovers with, and the pause seconds carried
+from the report into the CR's status. The real servers are in tests/engines/test_vllm_server*.py.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from weightsync_operator.replicas import replica_statuses
+
+from sync_runtime.engines.vllm_servers import ServerAttacher, proxy_prefix
+from sync_runtime.errors import DiscoveryError, Reason, TopologyMismatchError
+from sync_runtime.kube.pods import (
+    ServerPod,
+    check_servers,
+    endpoints,
+    label_selector,
+    replica_count_problem,
+    server_url,
+    world_size_problem,
+)
+from sync_runtime.kube.status import report_json
+from sync_runtime.runtime import servers
+from sync_runtime.runtime.commit import Dest, replica_pause_seconds
+from sync_runtime.schema import crd
+from sync_runtime.schema.crd import WeightSyncSpec, spec_problems
+from sync_runtime.schema.report import ReplicaState, ReplicaVersion, SyncReport, SyncResult
+
+pytestmark = pytest.mark.unit
+
+SERVERS = {"selector": {"matchLabels": {"app": "vllm", "model": "qwen"}}, "port": 8000}
+
+
+def spec(**dest: Any) -> WeightSyncSpec:
+    destination = {"name": "rollout", "layout": "vllm", "vllmServers": SERVERS, **dest}
+    return WeightSyncSpec.model_validate(
+        {
+            "version": "v1",
+            "source": {
+                "name": "trainer",
+                "rayAddress": "10.0.0.1:6379",
+                "actorPrefix": "t-",
+                "layout": "megatron",
+                "authSecretRef": {"name": "ray"},
+            },
+            "destinations": [{k: v for k, v in destination.items() if v is not None}],
+        }
+    )
+
+
+def pod(name: str, ready: bool = True, ip: str | None = "10.1.0.5", deleting: bool = False) -> ServerPod:
+    return ServerPod(name=name, uid=f"uid-{name}", ip=ip, ready=ready, deleting=deleting)
+
+
+# ---- the CRD fields -----------------------------------------------------------------------
+
+
+def test_a_servers_destination_is_valid_without_ray_fields_or_auth() -> None:
+    s = spec(parallelism={"tp": 2, "replicas": 3}, pause="wait")
+    dest = s.destinations[0]
+    assert dest.vllm_servers is not None and dest.vllm_servers.port == 8000
+    assert dest.vllm_servers.selector.match_labels == {"app": "vllm", "model": "qwen"}
+    assert (dest.actor_prefix, dest.ray_address, dest.pause_mode) == (None, None, "wait")
+    assert spec_problems(s) == []  # no authSecretRef needed: it joins the source's Ray cluster
+    assert crd.ray_deployments(s) == [s.source]
+    assert spec().destinations[0].pause_mode == "keep"  # the default
+
+
+@pytest.mark.parametrize(
+    ("dest", "message"),
+    [
+        ({"actorPrefix": "vllm-"}, crd.MSG_DEST_TARGET),
+        ({"vllmServers": None}, crd.MSG_DEST_TARGET),
+        ({"rayAddress": "10.0.0.1:6379"}, crd.MSG_SERVERS_NO_RAY),
+        ({"rayCluster": "rl"}, crd.MSG_SERVERS_NO_RAY),
+        ({"layout": "hf"}, crd.MSG_SERVERS_LAYOUT),
+        (
+            {"vllmServers": None, "actorPrefix": "v-", "rayAddress": "10.0.0.1:6379", "pause": "abort"},
+            crd.MSG_PAUSE_SERVERS,
+        ),
+    ],
+)
+def test_bad_servers_destinations_name_their_rule(dest: dict, message: str) -> None:
+    s = spec(**dest)
+    assert f"spec.destinations[0]: {message}" in spec_problems(s)
+
+
+def test_source_cannot_name_servers_or_omit_its_prefix() -> None:
+    raw = spec().model_dump(by_alias=True, exclude_none=True)
+    raw["source"]["vllmServers"] = SERVERS
+    del raw["source"]["actorPrefix"]
+    problems = spec_problems(WeightSyncSpec.model_validate(raw))
+    assert f"spec.source: {crd.MSG_SOURCE_SERVERS}" in problems
+    assert f"spec.source: {crd.MSG_SOURCE_PREFIX}" in problems
+
+
+def test_pause_mode_and_selector_are_checked_by_the_model() -> None:
+    with pytest.raises(ValueError, match="pause"):
+        spec(pause="drain")
+    with pytest.raises(ValueError, match=r"matchLabels|match_labels"):
+        spec(vllmServers={"selector": {"matchLabels": {}}})
+    with pytest.raises(ValueError, match="port"):
+        spec(vllmServers={**SERVERS, "port": 70000})
+
+
+# ---- pods -> replicas ---------------------------------------------------------------------
+
+
+def test_only_serving_pods_count_and_they_are_ordered_by_name() -> None:
+    pods = [
+        pod("vllm-2"),
+        pod("vllm-0", ip="10.1.0.7"),
+        pod("vllm-3", ready=False),
+        pod("vllm-4", ip=None),
+        pod("vllm-5", deleting=True),
+        pod("vllm-1", ip="fd00::9"),
+    ]
+    eps = endpoints(pods, 8000)
+    assert [(e.replica, e.pod) for e in eps] == [(0, "vllm-0"), (1, "vllm-1"), (2, "vllm-2")]
+    assert eps[0].url == "http://10.1.0.7:8000" and eps[1].url == "http://[fd00::9]:8000"
+    assert server_url("10.0.0.1", 1) == "http://10.0.0.1:1"
+    assert label_selector({"model": "qwen", "app": "vllm"}) == "app=vllm,model=qwen"
+
+
+def test_a_replica_count_mismatch_is_refused_naming_the_pods_not_serving() -> None:
+    pods = [pod("vllm-b"), pod("vllm-a", ready=False)]
+    assert replica_count_problem("rollout", "app=vllm", pods[:1], 1) is None
+    with pytest.raises(TopologyMismatchError) as e:
+        check_servers("rollout", "app=vllm", pods, 2, 8000)
+    assert e.value.message == (
+        "deployment 'rollout': 1 Ready vLLM server pod(s) match 'app=vllm', expected replicas=2; "
+        "not serving: vllm-a"
+    )
+    assert e.value.reason is Reason.TOPOLOGY_MISMATCH and "\n" not in e.value.message
+
+
+def test_world_size_must_be_the_declared_tp_times_pp() -> None:
+    assert world_size_problem("rollout", "vllm-0", 4, 2, 2) is None
+    assert world_size_problem("rollout", "vllm-0", 2, 1, 1) == (
+        "deployment 'rollout': vLLM server pod vllm-0 runs 2 worker(s), "
+        "the declared parallelism needs tp*pp = 1*1 = 1"
+    )
+
+
+def test_attacher_refuses_a_missing_replica_before_attaching_anything() -> None:
+    listed: list[tuple[str, dict]] = []
+
+    def list_pods(namespace: str, labels: Any) -> list[ServerPod]:
+        listed.append((namespace, dict(labels)))
+        return [pod("vllm-0", ready=False)]
+
+    attacher = ServerAttacher("team-a", "policy", list_pods=list_pods)
+    with pytest.raises(TopologyMismatchError, match="0 Ready vLLM server pod"):
+        attacher(spec().destinations[0])
+    assert listed == [("team-a", {"app": "vllm", "model": "qwen"})]
+    assert not attacher._proxies.get("rollout")  # nothing attached
+
+
+def test_proxy_prefixes_never_nest() -> None:
+    a, b = proxy_prefix("ws", "rollout"), proxy_prefix("ws", "rollout-2")
+    assert not b.startswith(a) and not a.startswith(b)
+
+
+# ---- the spec the runtime discovers with ----------------------------------------------------
+
+
+def test_discovery_spec_gets_the_attached_prefix_and_needs_an_attacher() -> None:
+    s = spec()
+    servers.install(None)
+    with pytest.raises(DiscoveryError, match="needs the server attacher"):
+        servers.with_server_actors(s)
+    seen: list[str] = []
+    servers.install(lambda ref: seen.append(ref.name) or proxy_prefix("ws", ref.name))
+    try:
+        found = servers.with_server_actors(s)
+    finally:
+        servers.install(None)
+    assert seen == ["rollout"]
+    assert found.destinations[0].actor_prefix == "wsservers.ws.rollout."
+    assert s.destinations[0].actor_prefix is None  # the CR's spec is left as it is
+    plain = WeightSyncSpec.model_validate(
+        {
+            **s.model_dump(by_alias=True, exclude_none=True),
+            "destinations": [s.source.model_dump(by_alias=True)],
+        }
+    )
+    assert servers.with_server_actors(plain) is plain  # no servers: no attacher needed
+
+
+# ---- pause seconds: report -> status ------------------------------------------------------
+
+
+def test_pause_seconds_reach_the_status_per_replica() -> None:
+    now = datetime(2026, 1, 1, tzinfo=UTC)
+    replicas = [
+        ReplicaVersion(
+            deployment="rollout", replica=0, version="v1", state=ReplicaState.SERVING, pause_seconds=0.31
+        ),
+        ReplicaVersion(
+            deployment="rollout", replica=1, state=ReplicaState.DEGRADED, rank_versions=["v1", None]
+        ),
+    ]
+    report = SyncReport(
+        version="v1", started_at=now, finished_at=now, result=SyncResult.SUCCEEDED, replicas=replicas
+    )
+    stored = report_json(report)
+    assert [r.get("pauseSeconds") for r in stored["replicas"]] == [0.31, None]
+    status = replica_statuses(SyncReport.model_validate(stored), [])
+    assert [r.pause_seconds for r in status] == [0.31, None]
+    dumped = status[0].model_dump(by_alias=True)
+    assert dumped["pauseSeconds"] == 0.31 and "rankTable" not in dumped
+
+
+class _NoPause:
+    """A destination rank handle without an engine proxy behind it (a plain actor)."""
+
+
+def test_replicas_without_a_measured_pause_report_none() -> None:
+    from sync_runtime.runtime.discovery import Participant
+
+    participant = Participant(handle=_NoPause(), name="x", namespace="n", meta=None)  # type: ignore[arg-type]
+    assert replica_pause_seconds([Dest(rank=1, p=participant, deployment="d")], 1.0) is None
