@@ -4,6 +4,11 @@ Stable across processes and machines: only JSON of strings and integers and fixe
 arrays are hashed (never Python's randomised `hash()`). The schedule fingerprint (per bucket:
 round, ranks, bytes, transfer count) makes two participants that somehow planned differently
 disagree even when their inputs look the same.
+
+The plan is computed once and reused across syncs, but how each sync is encoded is not: a
+destination replica takes deltas from its base version only when it holds that version, which
+changes from sync to sync. `sync_digest` extends the plan digest with that decision; the ranks
+agree on it before the first byte of each sync.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -79,3 +84,22 @@ def plan_digest(inputs: bytes, schedule: Sequence[np.ndarray]) -> str:
             part = column[at : at + DIGEST_SLICE]
             h.update(memoryview(np.ascontiguousarray(part, dtype="<i8")))
     return h.hexdigest()
+
+
+def sync_digest(
+    plan_digest: str, direct_min_bytes: int, delta_format: str, base_for: Mapping[int, str]
+) -> str:
+    """What every rank of one sync agrees on before the first byte: the plan digest, the direct
+    threshold (it decides which transfers travel as their own message) and the encoding of the
+    sync: for each destination rank that takes deltas its base version, in `delta_format`
+    (every rank of a replica has the same base: the replica's); any rank not listed takes the
+    sync in full. Two ranks that disagree on any replica's encoding or base disagree here, so
+    the group refuses the sync instead of mis-framing its messages."""
+    doc = {
+        "plan": plan_digest,
+        "direct_min_bytes": int(direct_min_bytes),
+        "delta": {"format": delta_format, "bases": sorted([int(r), v] for r, v in base_for.items())}
+        if base_for
+        else None,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

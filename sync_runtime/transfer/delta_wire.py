@@ -28,7 +28,6 @@ holds no version). Host memory: the shard's bytes (docs/update-protocol.md).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -37,6 +36,7 @@ import torch
 
 from sync_runtime.core.layouts.base import Box
 from sync_runtime.core.plan import Transfer
+from sync_runtime.planner.digest import sync_digest
 from sync_runtime.transfer import delta
 from sync_runtime.transfer.checksum import raw_bytes
 from sync_runtime.transfer.config import RankResult
@@ -107,12 +107,10 @@ class DeltaStats:
     """Elements compared against a base, and how many of them changed."""
 
 
-def agreed(base_for: Mapping[int, str]) -> str:
-    """What the group agrees on next to the plan digest: the format and every rank's base."""
-    if not base_for:
-        return "delta=off"
-    doc = ";".join(f"{rank}={version}" for rank, version in sorted(base_for.items()))
-    return f"{FORMAT}={hashlib.sha256(doc.encode()).hexdigest()[:16]}"
+def agreed(plan_digest: str, direct_min_bytes: int, base_for: Mapping[int, str]) -> str:
+    """What the group agrees on before the first byte: the plan digest extended with the sync's
+    encoding (planner.digest.sync_digest: the format and every delta rank's base)."""
+    return sync_digest(plan_digest, direct_min_bytes, FORMAT, base_for)
 
 
 @dataclass(slots=True)

@@ -359,9 +359,7 @@ def run_rank_plan(
     try:
         fence = fingerprint(sources) if sources is not None else None
         preflight(group, plan, sources, destination, config)
-        group.agree_digest(
-            sync_id, f"{plan.digest}|direct>={config.direct_min_bytes}|{agreed(dict(config.delta_base))}"
-        )
+        group.agree_digest(sync_id, agreed(plan.digest, config.direct_min_bytes, dict(config.delta_base)))
         ex.run()
         if fence is not None:  # before `finish`: every rank then fails with this as the cause
             check_fence(fence, sources, plan.rank)  # type: ignore[arg-type]
