@@ -8,6 +8,7 @@ from the report into the CR's status. The real servers are in tests/engines/test
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -225,3 +226,26 @@ def test_replicas_without_a_measured_pause_report_none() -> None:
 
     participant = Participant(handle=_NoPause(), name="x", namespace="n", meta=None)  # type: ignore[arg-type]
     assert replica_pause_seconds([Dest(rank=1, p=participant, deployment="d")], 1.0) is None
+
+
+def test_the_example_is_a_valid_servers_destination_for_its_deployment() -> None:
+    import yaml
+    from bad_manifests.offline import apply_defaults, schema_errors
+
+    root = Path(__file__).resolve().parents[1]
+    deployment, ws = yaml.safe_load_all((root / "examples" / "vllm-servers.yaml").read_text())
+    crd_doc = yaml.safe_load((root / "crds" / "weightsyncs.weightsync.io.yaml").read_text())
+    schema = crd_doc["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert schema_errors(schema, ws) == []
+    s = WeightSyncSpec.model_validate(apply_defaults(schema, ws)["spec"])
+    assert spec_problems(s) == []
+    (dest,) = s.destinations
+    assert dest.vllm_servers is not None
+    pod = deployment["spec"]["template"]
+    assert pod["metadata"]["labels"] == dest.vllm_servers.selector.match_labels
+    assert deployment["spec"]["replicas"] == dest.parallelism.replicas
+    (container,) = pod["spec"]["containers"]
+    assert {"name": "VLLM_SERVER_DEV_MODE", "value": "1"} in container["env"]
+    assert '--weight-transfer-config={"backend": "weightsync"}' in container["args"]
+    assert f"--port={dest.vllm_servers.port}" in container["args"]
+    assert f"--tensor-parallel-size={dest.parallelism.tp}" in container["args"]
