@@ -69,7 +69,8 @@ class DiscoveredSide:
 
 def rank_label(coord: RankCoord) -> str:
     if coord.role is Role.SOURCE:
-        return f"pp={coord.pp_rank},dp={coord.dp_rank},tp={coord.tp_rank}"
+        cp = f",cp={coord.cp_rank}" if coord.cp_rank else ""
+        return f"pp={coord.pp_rank},dp={coord.dp_rank}{cp},tp={coord.tp_rank}"
     return f"replica={coord.replica},pp={coord.pp_rank},tp={coord.tp_rank}"
 
 
@@ -86,7 +87,8 @@ def find_actors(namespace: str, prefix: str) -> list[tuple[str, Any]]:
 def candidates(ref: DeploymentRef) -> tuple[list[tuple[str, Any]], dict[str, Registration]]:
     """The named actors with `ref`'s prefix, then the actors registered for `ref.name` that are
     not among them (runtime/registry.py); the second item maps registered names to registrations."""
-    actors = find_actors(ref.ray_namespace, ref.actor_prefix)
+    prefix = ref.actor_prefix
+    actors = find_actors(ref.ray_namespace, prefix) if prefix is not None else []
     seen = {actor_id(h) for _, h in actors}
     extra = {r.name: r for r in registered(ref.ray_namespace, ref.name) if r.actor_id not in seen}
     if not actors and not extra:
@@ -218,6 +220,8 @@ def _size_problems(spec: ParallelSpec, role: Role, coords: Sequence[RankCoord]) 
     """Sizes the actors imply (highest rank + 1) against the declared ones: 'wrong TP size'."""
     axes = [("TP", "tp_rank", spec.tp), ("PP", "pp_rank", spec.pp)]
     axes.append(("DP", "dp_rank", spec.dp) if role is Role.SOURCE else ("replicas", "replica", spec.replicas))
+    if role is Role.SOURCE:
+        axes.append(("CP", "cp_rank", spec.cp))
     problems = []
     for label, attr, declared in axes:
         seen = sorted({getattr(c, attr) for c in coords})
