@@ -309,7 +309,12 @@ def test_round_trip_vpp_moe() -> None:
             "tp=1,dp=3,ep=3",
             r"megatron: mlp\.experts: E=8 not divisible by ep=3",
         ),
-        ("megatron", "tiny-qwen3-moe", "tp=2,dp=2,ep=8", r"megatron: ep: ep\*etp=8 does not divide tp\*dp=4"),
+        (
+            "megatron",
+            "tiny-qwen3-moe",
+            "tp=2,dp=2,ep=8",
+            r"megatron: ep: ep\*etp=8 does not divide tp\*cp\*dp=4",
+        ),
         (
             "megatron",
             "tiny-deepseek-v3",

@@ -129,14 +129,15 @@ def source_specs(draw: st.DrawFn, manifest: Manifest) -> tuple[str, ParallelSpec
     tp = draw(st.sampled_from(_divisors(heads, 4)))
     pp = draw(st.integers(1, min(3, layers)))
     dp = draw(st.integers(1, 2))
+    cp = draw(st.sampled_from([1, 1, 2]))  # context parallel: more holders of the same shards
     if layout == "hf":
-        return layout, ParallelSpec(tp=tp, pp=pp, dp=dp)
+        return layout, ParallelSpec(tp=tp, pp=pp, dp=dp, cp=cp)
     vpp = draw(st.sampled_from([1, 2])) if layers % (2 * pp) == 0 else 1
     if not experts:
-        return layout, ParallelSpec(tp=tp, pp=pp, dp=dp, vpp=vpp)
+        return layout, ParallelSpec(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp)
     etp = draw(st.sampled_from([1, tp]))
-    ep = draw(st.sampled_from([e for e in _divisors(experts, 8) if (tp * dp) % (e * etp) == 0]))
-    return layout, ParallelSpec(tp=tp, pp=pp, dp=dp, vpp=vpp, ep=ep, etp=etp)
+    ep = draw(st.sampled_from([e for e in _divisors(experts, 8) if (tp * cp * dp) % (e * etp) == 0]))
+    return layout, ParallelSpec(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp, ep=ep, etp=etp)
 
 
 @st.composite
@@ -216,6 +217,7 @@ def run_case(case: Case) -> SyncPlan:
     plan = plan_sync(case.manifest, case.source, case.destinations, case.config)
     if currently_in_test_context():  # label what hypothesis covered (--hypothesis-show-statistics)
         event(f"family {case.manifest.family}")
+        event(f"source cp={case.source.spec.cp}")
         event("tp ratio non-integer" if _ratio_kind(case) else "tp ratio integer")
         event(f"{len(case.destinations)} destination side(s), relay {'used' if plan.relay else 'unused'}")
     shards = shards_of(case, plan)

@@ -9,6 +9,7 @@ reported coordinates cover the declared topology exactly.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -30,6 +31,9 @@ class ParallelSpec:
     """Pipeline-parallel size (stages)."""
     dp: int = 1
     """Data-parallel size of the source (identical dense copies). Destinations use `replicas`."""
+    cp: int = 1
+    """Context-parallel size (source only): CP ranks split the sequence, not the weights, so the
+    cp ranks of one (pp, dp, tp) position hold identical shards and are alternative senders."""
     ep: int = 1
     """Expert-parallel size. Source: experts split over ep ranks inside tp*dp; destination: ep == tp or 1."""
     etp: int = 1
@@ -42,7 +46,7 @@ class ParallelSpec:
     """Explicit per-stage layer counts for uneven PP splits; None = even split."""
 
     def __post_init__(self) -> None:
-        for field in ("tp", "pp", "dp", "ep", "etp", "vpp", "replicas"):
+        for field in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp", "replicas"):
             value = getattr(self, field)
             if not isinstance(value, int) or value < 1:
                 raise TopologyError(f"{field}={value!r}: must be an integer >= 1")
@@ -56,7 +60,7 @@ class ParallelSpec:
 
     @property
     def ranks_per_replica(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
     @property
     def world_size(self) -> int:
@@ -64,12 +68,13 @@ class ParallelSpec:
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: identical copies of each expert shard inside one PP stage."""
-        return (self.tp * self.dp) // (self.ep * self.etp)
+        """Expert-data-parallel size: identical copies of each expert shard inside one PP stage
+        (Megatron-Core regroups the stage's tp*cp*dp ranks as etp x ep x edp)."""
+        return (self.tp * self.cp * self.dp) // (self.ep * self.etp)
 
     @classmethod
     def parse(cls, text: str) -> ParallelSpec:
-        """Parse "tp=8,pp=8,dp=4,ep=32,etp=1" (also "layers=8+8+7" for explicit stage sizes)."""
+        """Parse "tp=8,pp=8,dp=4,cp=2,ep=32,etp=1" (also "layers=8+8+7" for explicit stage sizes)."""
         values: dict[str, object] = {}
         names = {f.name for f in dataclasses.fields(cls)}
         for item in filter(None, (part.strip() for part in text.split(","))):
@@ -93,7 +98,7 @@ class ParallelSpec:
 
     def describe(self) -> str:
         parts = [f"tp={self.tp}", f"pp={self.pp}"]
-        for key, default in (("dp", 1), ("ep", 1), ("etp", 1), ("vpp", 1), ("replicas", 1)):
+        for key, default in (("dp", 1), ("cp", 1), ("ep", 1), ("etp", 1), ("vpp", 1), ("replicas", 1)):
             if getattr(self, key) != default:
                 parts.append(f"{key}={getattr(self, key)}")
         if self.layer_counts is not None:
@@ -111,6 +116,8 @@ class RankCoord:
     tp_rank: int = 0
     pp_rank: int = 0
     dp_rank: int = 0
+    cp_rank: int = 0
+    """Context-parallel rank (source only)."""
     ep_rank: int = 0
     etp_rank: int = 0
     edp_rank: int = 0
@@ -118,45 +125,54 @@ class RankCoord:
     device: str = "cpu"
 
     @property
-    def key(self) -> tuple[str, int, int, int, int]:
-        """Identity of the rank inside its side (what must be unique)."""
-        return (self.role.value, self.replica, self.pp_rank, self.dp_rank, self.tp_rank)
+    def key(self) -> tuple[str, int, int, int, int, int]:
+        """Identity of the rank inside its side (what must be unique); sorts in global-rank order."""
+        return (self.role.value, self.replica, self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank)
 
 
-def source_expert_coords(spec: ParallelSpec, tp_rank: int, dp_rank: int) -> tuple[int, int, int]:
+def source_expert_coords(
+    spec: ParallelSpec, tp_rank: int, dp_rank: int, cp_rank: int = 0
+) -> tuple[int, int, int]:
     """(ep_rank, etp_rank, edp_rank) of a source rank, Megatron's "tp-ep-dp" expert order.
 
-    Inside one PP stage the tp*dp ranks are regrouped for expert layers as etp x ep x edp,
-    etp fastest: local index l = tp_rank + tp * dp_rank.
+    Inside one PP stage the tp*cp*dp ranks (dense order tp, cp, dp: Megatron's "tp-cp-ep-dp-pp")
+    are regrouped for expert layers as etp x ep x edp, etp fastest: local index
+    l = tp_rank + tp * (cp_rank + cp * dp_rank).
     """
-    local = tp_rank + spec.tp * dp_rank
+    local = tp_rank + spec.tp * (cp_rank + spec.cp * dp_rank)
     return (local // spec.etp) % spec.ep, local % spec.etp, local // (spec.etp * spec.ep)
 
 
 def enumerate_ranks(spec: ParallelSpec, role: Role, gpus_per_node: int = 8) -> list[RankCoord]:
     """Canonical ranks of one side, in Megatron's tp-fastest order, placed gpus_per_node per node.
 
-    Source order: tp, dp, pp (global = tp + tp*(dp + dp*pp)). Destination order per replica:
-    tp, pp; replicas outermost. Destinations have ep == tp (EP inside TP) or ep == 1.
+    Source order: tp, cp, dp, pp (global = tp + tp*(cp + cp*(dp + dp*pp))). Destination order
+    per replica: tp, pp; replicas outermost. Destinations have ep == tp (EP inside TP) or ep == 1,
+    and no context parallelism.
     """
     coords: list[RankCoord] = []
     if role is Role.SOURCE:
-        for pp_rank in range(spec.pp):
-            for dp_rank in range(spec.dp):
-                for tp_rank in range(spec.tp):
-                    ep_rank, etp_rank, edp_rank = source_expert_coords(spec, tp_rank, dp_rank)
-                    coords.append(
-                        RankCoord(
-                            role=role,
-                            tp_rank=tp_rank,
-                            pp_rank=pp_rank,
-                            dp_rank=dp_rank,
-                            ep_rank=ep_rank,
-                            etp_rank=etp_rank,
-                            edp_rank=edp_rank,
-                        )
-                    )
+        for pp_rank, dp_rank, cp_rank, tp_rank in itertools.product(
+            range(spec.pp), range(spec.dp), range(spec.cp), range(spec.tp)
+        ):
+            ep_rank, etp_rank, edp_rank = source_expert_coords(spec, tp_rank, dp_rank, cp_rank)
+            coords.append(
+                RankCoord(
+                    role=role,
+                    tp_rank=tp_rank,
+                    pp_rank=pp_rank,
+                    dp_rank=dp_rank,
+                    cp_rank=cp_rank,
+                    ep_rank=ep_rank,
+                    etp_rank=etp_rank,
+                    edp_rank=edp_rank,
+                )
+            )
     else:
+        if spec.cp != 1:
+            raise TopologyError(
+                f"cp={spec.cp}: context parallelism is a source-side axis (destinations: cp=1)"
+            )
         for replica in range(spec.replicas):
             for pp_rank in range(spec.pp):
                 for tp_rank in range(spec.tp):

@@ -44,13 +44,13 @@ def megatron_coord() -> tuple[RankCoord, ParallelSpec]:
     """This rank's coordinate and its side's sizes, from Megatron's parallel_state getters."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_context_parallel_world_size() != 1:
-        raise LayoutError("megatron: context parallelism is not supported by the megatron layout")
+    # Megatron's data-parallel getters exclude CP by default: dp and cp are separate axes here too.
     coord = RankCoord(
         role=Role.SOURCE,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
+        cp_rank=ps.get_context_parallel_rank(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         etp_rank=ps.get_expert_tensor_parallel_rank(),
         edp_rank=ps.get_expert_data_parallel_rank(),
@@ -59,6 +59,7 @@ def megatron_coord() -> tuple[RankCoord, ParallelSpec]:
         tp=ps.get_tensor_model_parallel_world_size(),
         pp=ps.get_pipeline_model_parallel_world_size(),
         dp=ps.get_data_parallel_world_size(),
+        cp=ps.get_context_parallel_world_size(),
         ep=ps.get_expert_model_parallel_world_size(),
         etp=ps.get_expert_tensor_parallel_world_size(),
         vpp=ps.get_virtual_pipeline_model_parallel_world_size() or 1,

@@ -95,6 +95,10 @@ def _check_sides(source: SideSpec, destinations: Sequence[SideSpec]) -> None:
     for i, side in enumerate(destinations):
         if not side.coords:
             raise TopologyError(f"destination side {i} ({side.layout}) has no ranks")
+        if side.spec.cp != 1:
+            raise TopologyError(
+                f"destination side {i} ({side.layout}): cp={side.spec.cp}, destinations have no CP"
+            )
     seen: set[tuple] = set()
     for side, role in [(source, Role.SOURCE), *((d, Role.DESTINATION) for d in destinations)]:
         for c in side.coords:

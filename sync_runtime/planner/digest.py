@@ -39,6 +39,7 @@ def _side(side: SideSpec) -> dict:
             c.tp_rank,
             c.pp_rank,
             c.dp_rank,
+            c.cp_rank,
             c.ep_rank,
             c.etp_rank,
             c.edp_rank,

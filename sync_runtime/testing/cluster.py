@@ -63,7 +63,8 @@ class DemoSetup:
 
 
 def source_name(prefix: str, c: RankCoord) -> str:
-    return f"{prefix}src-pp{c.pp_rank}-dp{c.dp_rank}-tp{c.tp_rank}"
+    cp = f"-cp{c.cp_rank}" if c.cp_rank else ""  # CP ranks hold the same shards: names must differ
+    return f"{prefix}src-pp{c.pp_rank}-dp{c.dp_rank}{cp}-tp{c.tp_rank}"
 
 
 def destination_name(prefix: str, c: RankCoord) -> str:

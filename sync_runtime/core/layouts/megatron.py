@@ -222,10 +222,10 @@ def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
             f"Im={d.moe_intermediate} not divisible by etp={spec.etp}",
         )
         require(
-            (t * spec.dp) % (spec.ep * spec.etp) == 0,
+            (t * spec.cp * spec.dp) % (spec.ep * spec.etp) == 0,
             name,
             "ep",
-            f"ep*etp={spec.ep * spec.etp} does not divide tp*dp={t * spec.dp}",
+            f"ep*etp={spec.ep * spec.etp} does not divide tp*cp*dp={t * spec.cp * spec.dp}",
         )
     if d.shared_intermediate:
         _divisible(
