@@ -34,6 +34,8 @@ HOW: dict[str, tuple[str, int]] = {
     '$V/bin/weightsync demo --model tiny-deepseek-v3 --src "tp=2,pp=2,layers=2+1" --dst "tp=2,replicas=2" '
     "--dump /tmp/ws-dump": ("checked", 0),
     "$V/bin/weightsync demo --source megatron-core": ("checked", 0),
+    '$V/bin/weightsync demo --source megatron-core --model tiny-qwen3 --src tp=2 --dst "tp=1,replicas=2" '
+    "--steps 3 --lr 1e-6 --delta auto --dump /tmp/ws-megatron": ("checked", 0),
     '$V/bin/weightsync plan --model kimi-k2 --src "tp=8,pp=8,dp=4,ep=32,layers=8+8+8+8+8+7+7+7" '
     '--dst "tp=16,ep=16,replicas=8" --json': ("parse", 0),
     '$V/bin/weightsync plan --model tiny-qwen3-moe --src "tp=2,pp=2,ep=2" --dst "tp=2,ep=2,replicas=2" '

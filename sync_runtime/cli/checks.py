@@ -8,6 +8,7 @@ bad input: one line, exit 2, raised here as `InputError` and printed by `main`.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 __all__ = ["InputError", "check_demo", "check_run", "describe_validation"]
@@ -33,11 +34,25 @@ def check_demo(module: Any, args: argparse.Namespace) -> argparse.Namespace | No
         raise InputError("--verify-only needs --expect-version")
     if args.timeout < 1:
         raise InputError(f"--timeout={args.timeout}: must be >= 1 second")
+    _check_training(args)
     model, src, dst = module.DEFAULTS[args.engine]
     args.model, args.src, args.dst = args.model or model, args.src or src, args.dst or dst
     plan_args = _plan_args(args.model, args.src, [args.dst], "megatron", None)
     plan_args.model_config = module.model_config(args.engine, args.model)  # the demo's own presets
     return plan_args
+
+
+def _check_training(args: argparse.Namespace) -> None:
+    """--steps, --lr, --delta: the megatron-core demo's training; elsewhere they would be ignored."""
+    given = [f"--{n}" for n in ("steps", "lr", "delta") if getattr(args, n, None) is not None]
+    if args.source != "megatron-core":
+        if given:
+            raise InputError(f"{', '.join(given)}: only with --source megatron-core (real optimizer steps)")
+        return
+    if args.steps is not None and args.steps < 1:
+        raise InputError(f"--steps={args.steps}: must be >= 1 (a sync follows each step)")
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
+        raise InputError(f"--lr={args.lr}: must be a finite number > 0")
 
 
 def check_run(module: Any, args: argparse.Namespace) -> argparse.Namespace | None:

@@ -2,7 +2,8 @@
 
 DIR/manifest.json, DIR/reference.safetensors (canonical HF names, bf16),
 DIR/destination/replica-{k}/pp{s}-tp{r}.safetensors (vLLM names, read back from each
-destination actor after the sync), DIR/report.json.
+destination actor after the sync), DIR/report.json (the last sync's report, and `syncs`: every
+sync of the run). The default demo and `--source megatron-core` write the same files.
 
 With `--engine vllm` (demo/vllm_run.py) a rank's weights live in vLLM's kernel layouts and
 cannot be read back as tensors: each rank writes `pp{s}-tp{r}.checksums.json` instead (the
@@ -42,11 +43,12 @@ def write_dump(
     reference: Mapping[str, np.ndarray],
     destinations: Sequence[Participant],
     report: SyncReport,
+    syncs: Sequence[SyncReport] = (),
 ) -> None:
     write_manifest(out, model_config=model_config, src_layout=src_layout, src=src, dst=dst)
     write_reference(out, reference)
     write_destinations(out, destinations)
-    write_report(out, report)
+    write_report(out, report, syncs)
 
 
 def write_manifest(
@@ -87,6 +89,16 @@ def write_destinations(out: Path, destinations: Sequence[Participant]) -> None:
         save_file({n: t.contiguous() for n, t in zip(names, tensors, strict=True)}, str(path))
 
 
-def write_report(out: Path, report: SyncReport) -> None:
+SYNC_FIELDS = ("version", "result", "seconds", "encoding", "wire_bytes", "full_bytes", "changed_fraction")
+"""What report.json's `syncs` gives of every sync of the run (camelCase, as the report)."""
+
+
+def write_report(out: Path, report: SyncReport, syncs: Sequence[SyncReport] = ()) -> None:
+    """DIR/report.json: the dumped (last) sync's report, and under `syncs` a summary of every sync
+    of the run, in order (encoding, wire and full bytes, changed fraction)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(report.model_dump_json(by_alias=True, indent=2) + "\n")
+    doc = report.model_dump(mode="json", by_alias=True)
+    doc["syncs"] = [
+        s.model_dump(mode="json", by_alias=True, include=set(SYNC_FIELDS)) for s in syncs or (report,)
+    ]
+    (out / "report.json").write_text(json.dumps(doc, indent=2) + "\n")

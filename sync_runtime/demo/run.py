@@ -51,6 +51,8 @@ DEFAULTS = {
     "vllm": (DEFAULT_VLLM_MODEL, VLLM_SRC, VLLM_DST),
 }
 """(model, src, dst) per --engine; real vLLM engines: tiny dense Qwen3, one core per engine."""
+MEGATRON_DEFAULTS = {"steps": 2, "lr": 1e-6, "delta": "auto"}
+"""--steps, --lr, --delta when not given (they apply to --source megatron-core only)."""
 
 
 def model_config(engine: str, model: str) -> dict | None:
@@ -88,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"destination (vllm) parallelism (default {DEFAULTS['synthetic'][2]}; vllm: {VLLM_DST})",
     )
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of (seed, version)")
+    _add_training_arguments(parser)
     parser.add_argument(
         "--dump",
         type=Path,
@@ -112,12 +115,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expect-version", help="version --verify-only expects")
 
 
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The megatron-core demo's training; None when not given (cli/checks.py refuses them elsewhere)."""
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="--source megatron-core: real optimizer steps, a sync after each (default 2)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        help="--source megatron-core: Adam learning rate on the fp32 main weights (default 1e-6)",
+    )
+    parser.add_argument(
+        "--delta",
+        choices=("auto", "off"),
+        help="--source megatron-core: spec.transport.delta of the syncs (default auto)",
+    )
+
+
 def _fill_defaults(args: argparse.Namespace) -> None:
     """Model and topologies not given take the defaults of the chosen engine."""
     model, src, dst = DEFAULTS[args.engine]
     args.model = args.model or model
     args.src = args.src or src
     args.dst = args.dst or dst
+    if args.source == "megatron-core":
+        for name, value in MEGATRON_DEFAULTS.items():
+            setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -201,7 +226,7 @@ def run_demo(setup: DemoSetup, args: argparse.Namespace, console: Console) -> in
         coordinator = Coordinator(spec, reporter, manifest=setup.manifest)
         reports, verified = _two_syncs(setup, coordinator, console)
         if args.dump and reports[-1].result is SyncResult.SUCCEEDED:
-            _dump(setup, args.dump, reports[-1])
+            _dump(setup, args.dump, reports)
             console.print(f"  dump written to {args.dump}")
         console.print(ranks_table(reports[-1]))
         console.print(summary_table(reports, verified))
@@ -241,9 +266,10 @@ def _two_syncs(
     return reports, verified
 
 
-def _dump(setup: DemoSetup, out: Path, report: SyncReport) -> None:
+def _dump(setup: DemoSetup, out: Path, reports: list[SyncReport]) -> None:
     from sync_runtime.demo.dump import write_dump
 
+    report = reports[-1]
     write_dump(
         out,
         model_config=setup.config,
@@ -253,6 +279,7 @@ def _dump(setup: DemoSetup, out: Path, report: SyncReport) -> None:
         reference=reference_weights(setup.manifest, setup.seed, report.version),
         destinations=destination_participants(setup),
         report=report,
+        syncs=reports,
     )
 
 
