@@ -7,8 +7,11 @@ accepts only `torch.cuda.*` parameter types and allocates its overflow flags on 
 parameter (`param.detach().clone().float()`), main grads = model grads cast to fp32, Adam on the
 main copies with the defaults of Megatron's `OptimizerConfig` (decoupled weight decay on
 matrices only, as Megatron's default parameter groups), then each main copy cast back into its
-bf16 model parameter in place. One difference remains: Megatron's DDP accumulates gradients in
-an fp32 buffer, here the backward pass leaves them in bf16 before the cast.
+bf16 model parameter in place (parameters the model keeps in fp32, its RMSNorm weights, go
+through unchanged). Two differences remain: Megatron's DDP accumulates gradients in an fp32
+buffer, here the backward pass leaves them in bf16 before the cast; and there is no gradient
+clipping (Megatron's default clips at a global norm of 1.0, a norm reduced over the
+model-parallel groups; Adam's update barely depends on the gradient's scale).
 
 Why it matters for deltas: at an RL learning rate an Adam step moves a weight by far less than
 one bf16 step, so the bf16 copy changes only where the fp32 main weight crosses a rounding
