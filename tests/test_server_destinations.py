@@ -249,3 +249,13 @@ def test_the_example_is_a_valid_servers_destination_for_its_deployment() -> None
     assert '--weight-transfer-config={"backend": "weightsync"}' in container["args"]
     assert f"--port={dest.vllm_servers.port}" in container["args"]
     assert f"--tensor-parallel-size={dest.parallelism.tp}" in container["args"]
+
+
+def test_the_unauthenticated_ray_warning_names_only_ray_deployments() -> None:
+    from weightsync_operator.reconcile import unauthenticated_ray_event
+
+    raw = spec().model_dump(by_alias=True, exclude_none=True)
+    raw["allowUnauthenticatedRay"] = True
+    del raw["source"]["authSecretRef"]
+    (event,) = unauthenticated_ray_event(WeightSyncSpec.model_validate(raw), 3)
+    assert event.message == "allowUnauthenticatedRay: trainer connect(s) without a Ray token"

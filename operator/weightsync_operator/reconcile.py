@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from pydantic import ValidationError
 
-from sync_runtime.schema.crd import WeightSyncSpec, spec_problems
+from sync_runtime.schema.crd import WeightSyncSpec, ray_deployments, spec_problems
 from sync_runtime.schema.report import SyncResult
 from sync_runtime.schema.status import WeightSyncStatus
 from weightsync_operator.config import OperatorConfig, RuntimeDefaults
@@ -67,7 +67,8 @@ def unauthenticated_ray_event(spec: WeightSyncSpec | None, generation: int | Non
     """The author opted out of Ray token auth: say so where everyone watching the CR sees it."""
     if spec is None or not spec.allow_unauthenticated_ray:
         return []
-    unauth = [d.name for d in spec.deployments() if d.auth_secret_ref is None]
+    # vllmServers destinations join no Ray cluster of their own (the source's, through the runtime)
+    unauth = [d.name for d in ray_deployments(spec) if d.auth_secret_ref is None]
     msg = f"allowUnauthenticatedRay: {', '.join(unauth) or 'no deployment'} connect(s) without a Ray token"
     return [SyncEvent("Warning", "UnauthenticatedRay", msg, key=f"noauth/{generation}")]
 
