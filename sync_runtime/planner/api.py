@@ -21,6 +21,7 @@ from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Layout, Piece
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.memory import hugepages_unadvised, keep_large_blocks_on_heap
+from sync_runtime.core.models import not_synced
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.errors import LayoutError, PlanError, TopologyError
@@ -62,6 +63,7 @@ def plan_sync(
     # millions of small acyclic objects (gc_pause.py)
     with gc_paused(), hugepages_unadvised():
         plan = _plan(manifest, source, destinations, config, layout_lookup or _layouts.get_layout)
+    plan.stats["not_synced"] = not_synced(manifest.config)  # for plan's output and the report
     plan.stats["plan_seconds"] = time.perf_counter() - started
     plan.stats["plan_cpu_seconds"] = time.process_time() - started_cpu
     return plan

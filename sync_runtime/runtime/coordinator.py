@@ -51,6 +51,7 @@ from sync_runtime.runtime.commit import (
 from sync_runtime.runtime.delta_base import DeltaSync, delta_bases, summary
 from sync_runtime.runtime.discovery import DiscoveredSide, discover_all
 from sync_runtime.runtime.drive import backend_for, drive_transfer
+from sync_runtime.runtime.report_plan import plan_fields
 from sync_runtime.runtime.session import Session
 from sync_runtime.schema.crd import WeightSyncSpec
 from sync_runtime.schema.report import (
@@ -382,11 +383,8 @@ class Coordinator:
             throughput_bytes_per_second=att.moved_bytes / att.stages.transfer if att.stages.transfer else 0.0,
             stages=att.stages,
             ranks=att.ranks,
-            plan_digest=plan.digest if plan else "",
             plan_cached=att.plan_cached,
-            rounds=len(plan.rounds) if plan else 0,
-            transfers=sum(len(b.transfers) for r in plan.rounds for b in r.buckets) if plan else 0,
-            relay=plan.relay if plan else False,
+            **plan_fields(plan),
             replicas=att.replicas,
             recovered=att.recovered,
             **att.delta.fields(),

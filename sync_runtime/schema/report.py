@@ -121,6 +121,8 @@ class SyncReport(WireModel):
     rounds: int = 0
     transfers: int = 0
     relay: bool = False
+    not_synced: list[str] = []
+    """What of the checkpoint this sync leaves out, one line each (e.g. DeepSeek-V3's MTP layers)."""
     replicas: list[ReplicaVersion] = []
     """Per destination replica after the commit (or the recovery that preceded a failed sync)."""
     recovered: list[str] = []
