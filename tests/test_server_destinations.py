@@ -128,6 +128,13 @@ def test_only_serving_pods_count_and_they_are_ordered_by_name() -> None:
     assert label_selector({"model": "qwen", "app": "vllm"}) == "app=vllm,model=qwen"
 
 
+def test_a_restarted_server_is_another_instance_of_its_replica() -> None:
+    first = endpoints([pod("vllm-0")], 8000)[0]
+    again = endpoints([ServerPod("vllm-0", "uid-vllm-0", "10.1.0.5", True, restarts=1)], 8000)[0]
+    assert (first.restarts, again.restarts) == (0, 1)
+    assert first.instance != again.instance and first.url == again.url  # a new proxy, same server URL
+
+
 def test_a_replica_count_mismatch_is_refused_naming_the_pods_not_serving() -> None:
     pods = [pod("vllm-b"), pod("vllm-a", ready=False)]
     assert replica_count_problem("rollout", "app=vllm", pods[:1], 1) is None

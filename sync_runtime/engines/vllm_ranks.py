@@ -240,8 +240,11 @@ class VllmEngineRanks(RankBatcher):
     def _pause_engine(self) -> None:
         with self._state:
             if self._paused_at is None:
+                # From the call on: with `wait` it returns once the requests in flight finished,
+                # and new requests have been held back meanwhile, which is part of the pause.
+                started = time.monotonic()
                 self._control.pause(self._pause_mode)
-                self._paused_at = time.monotonic()
+                self._paused_at = started
 
     def _await(self, key: str) -> bytes:
         """A worker's answer; a dead engine (checked every LIVENESS_S) fails the wait at once."""

@@ -3,9 +3,10 @@
 Installed by `weightsync run` (`install`); discovery calls it before each sync
 (runtime/servers.py). Per destination it lists the pods the selector matches (kube/pods.py),
 refuses a replica count or a server world size that differs from the declared parallelism, one
-line naming the pod, and keeps one proxy actor per (pod uid, replica index): a proxy whose pod
-is gone, restarted (new uid) or moved to another index is killed and a new one attached, so a
-restarted server joins the next sync. The proxies are owned by this process (not detached):
+line naming the pod, and keeps one proxy actor per server process at its replica index (pod uid,
+container restarts, index): a proxy whose pod is gone, replaced (new uid), restarted (its
+container's restart count grew) or moved to another index is killed and a new one attached, so
+a restarted server joins the next sync. The proxies are owned by this process (not detached):
 they end with the runtime.
 """
 
@@ -57,7 +58,7 @@ class ServerAttacher:
     ) -> None:
         self.namespace, self.weightsync = namespace, weightsync
         self._list, self._timeout_s = list_pods, timeout_s
-        self._proxies: dict[str, dict[tuple[str, int], tuple[str, Any]]] = {}
+        self._proxies: dict[str, dict[tuple[str, int, int], tuple[str, Any]]] = {}
 
     def __call__(self, ref: DeploymentRef) -> str:
         conf = ref.vllm_servers
@@ -67,18 +68,25 @@ class ServerAttacher:
         pods = self._list(self.namespace, labels)
         found = check_servers(ref.name, label_selector(labels), pods, ref.parallelism.replicas, conf.port)
         held = self._proxies.setdefault(ref.name, {})
-        wanted = {(e.uid, e.replica) for e in found}
+        wanted = {e.instance for e in found}
         for key in [k for k in held if k not in wanted]:
             _kill(held.pop(key))
         prefix = proxy_prefix(self.weightsync, ref.name)
         for e in found:
-            key = (e.uid, e.replica)
+            key = e.instance
             if key in held and _alive(held[key][1]):
                 continue
             if key in held:
                 _kill(held.pop(key))
             held[key] = self._attach(ref, e, prefix)
         return prefix
+
+    def close(self) -> None:
+        """End every proxy this attacher holds (they also end with this process)."""
+        for held in self._proxies.values():
+            for entry in held.values():
+                _kill(entry)
+        self._proxies.clear()
 
     def _attach(self, ref: DeploymentRef, e: ServerEndpoint, prefix: str) -> tuple[str, Any]:
         where = f"deployment {ref.name!r}: vLLM server pod {e.pod} ({e.url})"
@@ -90,7 +98,7 @@ class ServerAttacher:
         problem = world_size_problem(ref.name, e.pod, world, ref.parallelism.tp, ref.parallelism.pp)
         if problem is not None:
             raise TopologyMismatchError(problem)
-        name = f"{prefix}{e.replica:04d}.{e.pod}.{e.uid[:8]}"
+        name = f"{prefix}{e.replica:04d}.{e.pod}.{e.uid[:8]}.{e.restarts}"
         handle = attach(
             name, ref.ray_namespace, control, replica=e.replica, pause=ref.pause_mode, ranks=world
         )

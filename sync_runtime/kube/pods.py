@@ -25,6 +25,9 @@ class ServerPod:
     ip: str | None
     ready: bool
     deleting: bool = False
+    restarts: int = 0
+    """Container restarts (kubelet's restartCount, summed): a restarted server is a new process
+    with the same pod uid, whose weight-transfer backend must be set up again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,12 @@ class ServerEndpoint:
     pod: str
     uid: str
     url: str
+    restarts: int = 0
+
+    @property
+    def instance(self) -> tuple[str, int, int]:
+        """What one server process at one replica index is: pod uid, restarts, index."""
+        return (self.uid, self.restarts, self.replica)
 
 
 def label_selector(match_labels: Mapping[str, str]) -> str:
@@ -55,7 +64,7 @@ def endpoints(pods: Iterable[ServerPod], port: int) -> list[ServerEndpoint]:
     """The serving pods, ordered by name, as replicas 0..n-1."""
     live = sorted((p for p in pods if serving(p)), key=lambda p: p.name)
     return [
-        ServerEndpoint(replica=k, pod=p.name, uid=p.uid, url=server_url(str(p.ip), port))
+        ServerEndpoint(replica=k, pod=p.name, uid=p.uid, url=server_url(str(p.ip), port), restarts=p.restarts)
         for k, p in enumerate(live)
     ]
 
@@ -100,12 +109,14 @@ def pod_of(obj: Any) -> ServerPod:
     status = obj.status
     conditions = (status.conditions or []) if status is not None else []
     ready = any(c.type == "Ready" and c.status == "True" for c in conditions)
+    containers = (status.container_statuses or []) if status is not None else []
     return ServerPod(
         name=obj.metadata.name,
         uid=obj.metadata.uid,
         ip=status.pod_ip if status is not None else None,
         ready=ready,
         deleting=obj.metadata.deletion_timestamp is not None,
+        restarts=sum(int(c.restart_count or 0) for c in containers),
     )
 
 

@@ -101,13 +101,22 @@ def _pod(name: str, app: str) -> dict[str, Any]:
     }
 
 
-def _ready(kubectl: Any, namespace: str, name: str, ip: str) -> None:
+def _ready(kubectl: Any, namespace: str, name: str, ip: str, restarts: int = 0) -> None:
+    container = {
+        "name": "vllm",
+        "image": "vllm/vllm-openai:v0.32.0",
+        "imageID": "",
+        "ready": True,
+        "restartCount": restarts,
+        "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+    }
     status = {
         "status": {
             "phase": "Running",
             "podIP": ip,
             "podIPs": [{"ip": ip}],
             "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [container],
         }
     }
     kubectl(
@@ -153,13 +162,17 @@ def test_runtime_lists_the_ready_server_pods_with_its_own_role(
     for name, app in (("vllm-2", "vllm"), ("vllm-0", "vllm"), ("vllm-1", "vllm"), ("other-0", "other")):
         kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(_pod(name, app)))
     _ready(kubectl, namespace, "vllm-0", "10.0.0.10")
-    _ready(kubectl, namespace, "vllm-2", "10.0.0.12")
+    _ready(kubectl, namespace, "vllm-2", "10.0.0.12", restarts=2)
     _ready(kubectl, namespace, "other-0", "10.0.0.99")
 
     api = _token_api(control_plane, kubectl, namespace, "weightsync-runtime", tmp_path / "rt.kubeconfig")
     pods = list_server_pods(namespace, {"app": "vllm"}, api=api)
     assert sorted(p.name for p in pods) == ["vllm-0", "vllm-1", "vllm-2"]  # other-0 not selected
-    assert {p.name: p.ready for p in pods} == {"vllm-0": True, "vllm-1": False, "vllm-2": True}
+    assert {p.name: (p.ready, p.restarts) for p in pods} == {
+        "vllm-0": (True, 0),
+        "vllm-1": (False, 0),
+        "vllm-2": (True, 2),  # a restarted container: the runtime attaches its server again
+    }
     found = check_servers("rollout", "app=vllm", pods, 2, 8000)
     assert [(e.replica, e.pod, e.url) for e in found] == [
         (0, "vllm-0", "http://10.0.0.10:8000"),
