@@ -266,3 +266,30 @@ def test_the_unauthenticated_ray_warning_names_only_ray_deployments() -> None:
     del raw["source"]["authSecretRef"]
     (event,) = unauthenticated_ray_event(WeightSyncSpec.model_validate(raw), 3)
     assert event.message == "allowUnauthenticatedRay: trainer connect(s) without a Ray token"
+
+
+def test_weightsync_run_installs_the_server_attacher_for_its_weightsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`weightsync run` (the runtime pod's command) is what attaches vllmServers destinations."""
+    import yaml
+
+    from sync_runtime.cli import main as cli
+
+    root = Path(__file__).resolve().parents[1]
+    _, ws = yaml.safe_load_all((root / "examples" / "vllm-servers.yaml").read_text())
+    ws["spec"]["model"] = "tiny-llama"  # the CLI plans a manifest naming its model before running it
+    ws["spec"]["source"]["parallelism"] = {"tp": 2}
+    path = tmp_path / "ws.yaml"
+    path.write_text(yaml.safe_dump(ws))
+    module = cli._load(cli.DELEGATES["run"])
+    ran: list[Any] = []
+    monkeypatch.setattr(module, "run", lambda args: ran.append(args) or 0)
+    servers.install(None)
+    try:
+        assert cli.main(["run", "--config", str(path), "--namespace", "team-a", "--name", "policy"]) == 0
+        attacher = servers._attacher
+    finally:
+        servers.install(None)
+    assert len(ran) == 1 and isinstance(attacher, ServerAttacher)
+    assert (attacher.namespace, attacher.weightsync) == ("team-a", "policy")
