@@ -15,7 +15,7 @@ import pytest
 from weightsync_operator.replicas import replica_statuses
 
 from sync_runtime.engines.vllm_servers import ServerAttacher, proxy_prefix
-from sync_runtime.errors import DiscoveryError, Reason, TopologyMismatchError
+from sync_runtime.errors import DiscoveryError, Reason
 from sync_runtime.kube.pods import (
     ServerPod,
     check_servers,
@@ -138,13 +138,15 @@ def test_a_restarted_server_is_another_instance_of_its_replica() -> None:
 def test_a_replica_count_mismatch_is_refused_naming_the_pods_not_serving() -> None:
     pods = [pod("vllm-b"), pod("vllm-a", ready=False)]
     assert replica_count_problem("rollout", "app=vllm", pods[:1], 1) is None
-    with pytest.raises(TopologyMismatchError) as e:
+    with pytest.raises(DiscoveryError) as e:
         check_servers("rollout", "app=vllm", pods, 2, 8000)
     assert e.value.message == (
         "deployment 'rollout': 1 Ready vLLM server pod(s) match 'app=vllm', expected replicas=2; "
         "not serving: vllm-a"
     )
-    assert e.value.reason is Reason.TOPOLOGY_MISMATCH and "\n" not in e.value.message
+    # retryable: pods of a rollout or a restarted server become Ready again
+    assert e.value.reason is Reason.DISCOVERY_FAILED and e.value.to_failure().retryable
+    assert "\n" not in e.value.message
 
 
 def test_world_size_must_be_the_declared_tp_times_pp() -> None:
@@ -163,7 +165,7 @@ def test_attacher_refuses_a_missing_replica_before_attaching_anything() -> None:
         return [pod("vllm-0", ready=False)]
 
     attacher = ServerAttacher("team-a", "policy", list_pods=list_pods)
-    with pytest.raises(TopologyMismatchError, match="0 Ready vLLM server pod"):
+    with pytest.raises(DiscoveryError, match="0 Ready vLLM server pod"):
         attacher(spec().destinations[0])
     assert listed == [("team-a", {"app": "vllm", "model": "qwen"})]
     assert not attacher._proxies.get("rollout")  # nothing attached

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sync_runtime.errors import DiscoveryError, TopologyMismatchError
+from sync_runtime.errors import DiscoveryError
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +97,11 @@ def world_size_problem(deployment: str, pod: str, world_size: int, tp: int, pp: 
 def check_servers(
     deployment: str, selector: str, pods: Sequence[ServerPod], replicas: int, port: int
 ) -> list[ServerEndpoint]:
-    """The destination's endpoints, or TopologyMismatchError when the pods are not its replicas."""
+    """The destination's endpoints; DiscoveryError when the serving pods are not its replica count
+    (retryable: pods of a rollout or a restart become Ready again)."""
     problem = replica_count_problem(deployment, selector, pods, replicas)
     if problem is not None:
-        raise TopologyMismatchError(problem)
+        raise DiscoveryError(problem)
     return endpoints(pods, port)
 
 

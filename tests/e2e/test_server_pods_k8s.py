@@ -21,7 +21,7 @@ import pytest
 import yaml
 from bad_manifests.cases import load_cases
 
-from sync_runtime.errors import DiscoveryError, TopologyMismatchError
+from sync_runtime.errors import DiscoveryError
 from sync_runtime.kube.pods import check_servers, list_server_pods
 
 pytestmark = pytest.mark.e2e
@@ -179,7 +179,7 @@ def test_runtime_lists_the_ready_server_pods_with_its_own_role(
         (1, "vllm-2", "http://10.0.0.12:8000"),
     ]
     assert all(e.uid for e in found)
-    with pytest.raises(TopologyMismatchError, match="expected replicas=3; not serving: vllm-1"):
+    with pytest.raises(DiscoveryError, match="expected replicas=3; not serving: vllm-1"):
         check_servers("rollout", "app=vllm", pods, 3, 8000)
 
     # Negative control: the same listing without the runtime Role is refused, in one line.
