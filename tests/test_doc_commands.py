@@ -31,6 +31,7 @@ HOW: dict[str, tuple[str, int]] = {
     "make bench-k8s": ("make", 0),
     "V=$(bash tools/venv.sh)": ("shell", 0),
     "V=$(bash tools/venv.sh); PYTHONPATH=. $V/bin/python examples/rl_loop.py --steps 3": ("shell", 0),
+    "VE=$(bash tools/vllm_env.sh); $VE/bin/python examples/megatron_to_vllm.py": ("shell", 0),
     '$V/bin/weightsync demo --model tiny-deepseek-v3 --src "tp=2,pp=2,layers=2+1" --dst "tp=2,replicas=2" '
     "--dump /tmp/ws-dump": ("checked", 0),
     "$V/bin/weightsync demo --source megatron-core": ("checked", 0),
@@ -118,3 +119,5 @@ def test_cluster_commands_name_files_that_exist(command: str) -> None:
 
 def test_shell_lines_run_what_exists() -> None:
     assert (ROOT / "tools" / "venv.sh").exists() and (ROOT / "examples" / "rl_loop.py").exists()
+    # run by tests/engines/test_vllm_examples.py in the engine environment
+    assert (ROOT / "tools" / "vllm_env.sh").exists() and (ROOT / "examples" / "megatron_to_vllm.py").exists()
