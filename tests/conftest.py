@@ -54,13 +54,12 @@ def _shared_pool() -> Iterator[list]:
 
 @pytest.fixture
 def rank_pool(_shared_pool: list) -> Iterator:
-    """A pool of LOCAL_POOL_SIZE local rank processes shared by the session's transfer tests; a
-    test whose rank died (it is then spent) leaves the next one a fresh pool. Tests that kill a
-    rank on purpose start their own `LocalWorld`."""
+    """A pool of LOCAL_POOL_SIZE local rank processes shared by the session's transfer tests (a
+    test uses ranks 0..n-1). A rank that died (a fault test's `os._exit`) is replaced before the
+    next test: only that process starts again, not the pool."""
     from sync_runtime.testing.local_ranks import LocalWorld
 
-    if _shared_pool and not _shared_pool[0].alive():
-        _shared_pool.pop().close()
     if not _shared_pool:
         _shared_pool.append(LocalWorld(LOCAL_POOL_SIZE))
+    _shared_pool[0].revive()
     yield _shared_pool[0]

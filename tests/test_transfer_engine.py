@@ -151,10 +151,10 @@ def rank_main(ctx: RankContext, seeds: list[int], fault: str, timeout_s: float, 
     return reports
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[LocalWorld]:
-    with LocalWorld(WORLD) as w:
-        yield w
+@pytest.fixture
+def world(rank_pool: LocalWorld) -> LocalWorld:
+    """Ranks 0..WORLD-1 of the session's pool (a rank this module kills is replaced after it)."""
+    return rank_pool
 
 
 def _run(

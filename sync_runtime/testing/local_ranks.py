@@ -3,7 +3,8 @@
 The pool is spawned once and reused: starting a process that imports torch costs seconds, a
 sync on loopback milliseconds. `run(fn, args)` calls `fn(ctx, *args[i])` on ranks
 0..len(args)-1 and collects what each returns (picklable, small). A rank process that dies
-(`os._exit` in a fault test) is reported with its exit code; the pool is then spent.
+(`os._exit` in a fault test) is reported with its exit code; `revive()` then replaces it, and
+the ranks that survived keep running.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HOST = "127.0.0.1"
+READY = 0
+"""Call id of a rank's "started" message (real calls count from 1)."""
+STARTUP_TIMEOUT_S = 300.0
+"""A rank process imports torch before it answers: tens of seconds on a loaded 2-core machine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,7 @@ def _serve(rank: int, world: int, port: int, inbox: Any, outbox: Any) -> None:
     # Ranks share this machine's cores: torch's default (all cores per process) oversubscribes
     # them, and spinning intra-op threads made packing 10x slower with 4 ranks on 2 cores.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    outbox.put((READY, rank, None, None))  # imports done: a call's timeout counts its work only
     while True:
         job = inbox.get()
         if job is None:
@@ -73,21 +79,57 @@ class LocalWorld:
         ctx = mp.get_context("spawn")
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(size)]
-        self._procs = [
-            ctx.Process(
-                target=_serve, args=(r, size, self.store.port, self._inboxes[r], self._outbox), daemon=True
-            )
-            for r in range(size)
-        ]
-        for p in self._procs:
-            p.start()
-        self._calls = 0
         self.size = size
+        self._procs = [self._spawn(ctx, r) for r in range(size)]
+        self._starting = set(range(size))
+        self._calls = 0
+
+    def _spawn(self, ctx: Any, rank: int) -> Any:
+        proc = ctx.Process(
+            target=_serve,
+            args=(rank, self.size, self.store.port, self._inboxes[rank], self._outbox),
+            daemon=True,
+        )
+        proc.start()
+        return proc
+
+    def revive(self) -> int:
+        """Start a fresh process (with a fresh inbox) for every dead rank; returns how many. A rank
+        dies inside its function, after the run before it was answered, so it holds no lock of
+        the shared outbox; answers of the run it died in carry an old call id and are dropped."""
+        ctx = mp.get_context("spawn")
+        dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+        for rank in dead:
+            self._procs[rank].join(1)
+            self._inboxes[rank] = ctx.Queue()
+            self._procs[rank] = self._spawn(ctx, rank)
+            self._starting.add(rank)
+        return len(dead)
+
+    def _await_ready(self) -> None:
+        """Until every started rank process said it is up (its imports take seconds), so that
+        `run`'s timeout does not count process start-up."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while self._starting:
+            try:
+                call_id, rank, _, _ = self._outbox.get(timeout=0.2)
+            except queue.Empty:
+                dead = sorted(r for r in self._starting if not self._procs[r].is_alive())
+                if dead:
+                    raise RuntimeError(f"rank process(es) {dead} exited while starting") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"rank process(es) {sorted(self._starting)} not up in {STARTUP_TIMEOUT_S:g}s"
+                    ) from None
+                continue
+            if call_id == READY:
+                self._starting.discard(rank)
 
     def run(self, fn: Callable[..., Any], args: Sequence[tuple], timeout_s: float = 120.0) -> list[Outcome]:
         """Call `fn(ctx, *args[r])` on ranks 0..len(args)-1 concurrently; one Outcome per rank."""
         if len(args) > self.size:
             raise ValueError(f"{len(args)} ranks asked, the pool has {self.size}")
+        self._await_ready()
         self._calls += 1
         call_id = self._calls
         for rank, rank_args in enumerate(args):
@@ -110,7 +152,7 @@ class LocalWorld:
         return [outcomes[r] for r in range(len(args))]
 
     def alive(self) -> bool:
-        """Every rank process still runs (a pool with a dead rank is spent)."""
+        """Every rank process still runs (`revive()` replaces the dead ones)."""
         return all(p.is_alive() for p in self._procs)
 
     def close(self) -> None:

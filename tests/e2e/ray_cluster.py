@@ -8,29 +8,18 @@ never used: it kills every Ray process on the machine, other test runs' included
 cluster starts inherits a marker variable (``WS_E2E_RAY=<id>``), and ``stop()`` kills exactly the
 processes carrying it, by pid.
 
-The same file is the tests' driver for what the demo CLI does not offer (run with the cluster's
-``env()``; each subcommand connects with the token, acts, prints one JSON line and exits):
-
-    python ray_cluster.py gate --namespace NS --prefix P --gate-file F   # arm a gate on actors
-    python ray_cluster.py kill --namespace NS --name ACTOR               # ray.kill one actor
-    python ray_cluster.py snapshot --namespace NS --prefix P --model M --dst SPEC --seed S
-
-``gate``: each matching actor's transfer engine waits before every round while file F exists
-(the engine's ``before_round`` test observer, set as the participant's ``_ws_hooks`` with
-``__ray_call__``, so the demo's own participant classes are used unchanged); a rank that
-reaches a closed gate touches ``F.<pid>.reached``, so a test knows the transfer is under way
-without relying on progress reports.
-``snapshot``: submits one call per destination actor that returns its version and tensor
-checksums in the same task, prints ``submitted``, then compares every rank bit-exact with the
-seeded weights of the version it reports.
+What the tests do in the cluster runs in ``ray_driver.py`` (a driver process with the cluster's
+``env()``): ``driver(...)`` sends one command to a long-lived ``ray_driver.py serve`` process
+(started on first use, one per cluster), ``driver_popen(...)`` runs one command in its own
+process (a call that must stay in flight while the test does something else).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
+import queue
 import secrets
 import shutil
 import signal
@@ -38,12 +27,15 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+DRIVER = Path(__file__).resolve().parent / "ray_driver.py"
+REPLY = "@ws-driver "
+"""Prefix of ray_driver.py's answer lines (its REPLY)."""
 MARKER = "WS_E2E_RAY"
 RAY_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", MARKER)
 
@@ -84,6 +76,7 @@ class RayCluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self._driver: DriverServer | None = None
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment of a client of this cluster (token included), derived from ours."""
@@ -144,16 +137,16 @@ class RayCluster:
         return proc
 
     def driver(self, *args: str, timeout: float = 180.0, check: bool = True) -> Any:
-        """Run a subcommand of this file's driver CLI; returns its last stdout line as JSON."""
-        proc = self.run(
-            sys.executable, __file__, *args, "--address", self.address, timeout=timeout, check=check
-        )
-        lines = proc.stdout.strip().splitlines()
-        return json.loads(lines[-1]) if lines else None
+        """One ``ray_driver.py`` command (argv ``args``) through this cluster's long-lived driver;
+        returns the command's JSON result (None when it failed and ``check`` is false)."""
+        if self._driver is None or not self._driver.alive():
+            self._driver = DriverServer(self)
+        return self._driver.call([*args, "--address", self.address], timeout, check)
 
     def driver_popen(self, *args: str) -> subprocess.Popen[str]:
+        """One command in its own driver process, left running (stdout: its lines, then its JSON)."""
         return subprocess.Popen(
-            [sys.executable, __file__, *args, "--address", self.address],
+            [sys.executable, str(DRIVER), *args, "--address", self.address],
             env=self.env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -163,6 +156,8 @@ class RayCluster:
 
     def stop(self) -> None:
         """Kill the head and everything it started (marked processes only), remove the temp dir."""
+        if self._driver is not None:
+            self._driver.close()
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGTERM)
@@ -188,122 +183,63 @@ class RayCluster:
         self.stop()
 
 
-# ---- driver CLI (runs in a subprocess with the cluster's env) -------------------------------------
+class DriverServer:
+    """A ``ray_driver.py serve`` process: commands as JSON lines on its stdin, one answer line each.
+    A command that does not answer in time kills the process (the next call starts a new one)."""
 
+    def __init__(self, cluster: RayCluster) -> None:
+        self.log_path = cluster.temp_dir / f"driver-{secrets.token_hex(3)}.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(DRIVER), "serve", "--address", cluster.address],
+                env=cluster.env(),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                cwd=REPO,
+            )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
 
-def _actors(namespace: str, prefix: str) -> list[tuple[str, Any]]:
-    import ray
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(REPLY):
+                self.lines.put(line[len(REPLY) :])
+        self.lines.put(None)  # EOF: the process is gone
 
-    named = ray.util.list_named_actors(all_namespaces=True)
-    names = sorted(a["name"] for a in named if a["namespace"] == namespace and a["name"].startswith(prefix))
-    return [(n, ray.get_actor(n, namespace=namespace)) for n in names]
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
-
-def _install_gate(actor: Any, gate_file: str, max_wait_s: float) -> bool:
-    from sync_runtime.transfer import EngineHooks
-
-    def gate(_round: int) -> None:
-        if not os.path.exists(gate_file):
-            return
-        Path(f"{gate_file}.{os.getpid()}.reached").touch()  # tells the test this rank is mid-transfer
-        deadline = time.monotonic() + max_wait_s
-        while os.path.exists(gate_file) and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    actor._ws_hooks = EngineHooks(before_round=gate)  # what the participant's ws_run hands its engine
-    return True
-
-
-def _arm_corruption(actor: Any, armed: bool) -> bool:
-    """Flip one staged byte right before this rank's commit applies it (after the decision): the
-    rank's check of its staging refuses the commit, so its replica ends on two versions."""
-    from sync_runtime.testing.faults import flip_first_staged_byte
-
-    actor._ws_before_commit = flip_first_staged_byte if armed else None  # pre-commit observer
-    return True
-
-
-def _state(actor: Any) -> tuple[str | None, dict[str, str], Any]:
-    return actor.ws_version(), actor.ws_sha256(), actor.ws_meta().coord
-
-
-def cmd_gate(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-
-    actors = _actors(args.namespace, args.prefix)
-    ray.get([h.__ray_call__.remote(_install_gate, args.gate_file, args.max_wait) for _, h in actors])
-    return {"gated": [n for n, _ in actors]}
-
-
-def cmd_kill(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-
-    ray.kill(ray.get_actor(args.name, namespace=args.namespace), no_restart=True)
-    return {"killed": args.name}
-
-
-def cmd_corrupt(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-
-    actor = ray.get_actor(args.name, namespace=args.namespace)
-    ray.get(actor.__ray_call__.remote(_arm_corruption, args.armed == "on"))
-    return {"corrupt": args.name, "armed": args.armed}
-
-
-def cmd_snapshot(args: argparse.Namespace) -> dict[str, Any]:
-    import ray
-
-    from sync_runtime.core.models import build_manifest
-    from sync_runtime.core.topology import ParallelSpec
-    from sync_runtime.testing.weights import expected_sha256, model_config
-
-    actors = _actors(args.namespace, args.prefix)
-    refs = {n: h.__ray_call__.remote(_state) for n, h in actors}
-    print("submitted", flush=True)
-    manifest = build_manifest(model_config(args.model))
-    spec = ParallelSpec.parse(args.dst)
-    ranks: dict[str, Any] = {}
-    for name, ref in refs.items():
+    def call(self, argv: list[str], timeout: float, check: bool) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(argv) + "\n")
+        self.proc.stdin.flush()
         try:
-            version, sums, coord = ray.get(ref, timeout=args.timeout)
-        except ray.exceptions.RayActorError as e:
-            ranks[name] = {"dead": True, "error": type(e).__name__}
-            continue
-        want = expected_sha256(manifest, "vllm", spec, coord, args.seed, version)
-        ranks[name] = {"version": version, "exact": want == sums, "tensors": len(sums)}
-    return {"ranks": ranks}
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.close()
+            raise AssertionError(f"driver {argv[0]}: no answer within {timeout:g}s\n{self._log()}") from None
+        if line is None:
+            raise AssertionError(f"driver exited ({self.proc.wait()}) during {argv[0]}\n{self._log()}")
+        answer = json.loads(line)
+        if not answer["ok"]:
+            if check:
+                raise AssertionError(f"driver {' '.join(argv[:3])}... failed:\n{answer['error']}")
+            return None
+        return answer["out"]
 
+    def _log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="ray_cluster.py")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("gate", "kill", "corrupt", "snapshot"):
-        p = sub.add_parser(name)
-        p.add_argument("--address", required=True)
-        p.add_argument("--namespace", required=True)
-    gate = sub.choices["gate"]
-    gate.add_argument("--prefix", required=True)
-    gate.add_argument("--gate-file", required=True)
-    gate.add_argument("--max-wait", type=float, default=50.0)
-    sub.choices["kill"].add_argument("--name", required=True)
-    sub.choices["corrupt"].add_argument("--name", required=True)
-    sub.choices["corrupt"].add_argument("--armed", choices=("on", "off"), required=True)
-    snap = sub.choices["snapshot"]
-    snap.add_argument("--prefix", required=True)
-    snap.add_argument("--model", required=True)
-    snap.add_argument("--dst", required=True)
-    snap.add_argument("--seed", type=int, default=0)
-    snap.add_argument("--timeout", type=float, default=120.0)
-    args = parser.parse_args(argv)
-
-    import ray
-
-    ray.init(address=args.address, namespace=args.namespace, logging_level="WARNING", log_to_driver=False)
-    commands = {"gate": cmd_gate, "kill": cmd_kill, "corrupt": cmd_corrupt, "snapshot": cmd_snapshot}
-    out = commands[args.cmd](args)
-    print(json.dumps(out), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()  # EOF: serve returns
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

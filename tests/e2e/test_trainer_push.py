@@ -381,7 +381,11 @@ def stack(
         "3m",
         timeout=240,
     )
-    _demo(ray_cluster, "--participants-only", "--version", "v1", "--stale-version", "v0")
+    ray_cluster.driver(
+        "participants", "--namespace", RAY_NS, "--model", MODEL, "--src", SRC, "--dst", DST,
+        "--src-prefix", "trainer-", "--dst-prefix", "vllm-", "--seed", str(SEED), "--version", "v1",
+        "--stale-version", "v0", timeout=300,
+    )  # fmt: skip
     kubectl("apply", "-f", "-", input=json.dumps(_full_manifest(ray_cluster.address)))
     try:
         yield KubernetesSync(WS, FULL_NS, api=client.CustomObjectsApi(control_plane.api_client()))
