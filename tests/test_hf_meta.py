@@ -10,8 +10,10 @@ from sync_runtime.errors import ModelConfigError
 
 pytestmark = pytest.mark.unit
 
-# Router biases are buffers in transformers (not counted as parameters) but checkpoint tensors.
+# Router biases are buffers in transformers (not counted as parameters) but checkpoint tensors,
+# F32 in the checkpoints and in transformers.
 _BUFFER_SUFFIXES = ("e_score_correction_bias",)
+_UPCAST_ON_LOAD = ("mlp.gate.weight",)
 
 
 def _shapes(meta: MetaManifest) -> dict[str, tuple[int, ...]]:
@@ -24,8 +26,13 @@ def test_preset_manifest_equals_transformers(preset: str) -> None:
     manifest = build_manifest(config)
     meta = meta_manifest(config)
     assert {t.name: t.shape for t in manifest.tensors} == _shapes(meta)
-    buffers = sum(t.numel for t in manifest.tensors if t.name.endswith(_BUFFER_SUFFIXES))
-    assert manifest.nbytes == (meta.parameter_count + buffers) * 2
+    buffers = [t for t in manifest.tensors if t.name.endswith(_BUFFER_SUFFIXES)]
+    assert manifest.nbytes == meta.parameter_count * 2 + sum(t.numel * 4 for t in buffers)
+    # dtypes as the checkpoints store them: the config's, the router biases F32 (transformers holds
+    # them so too). DeepSeek-V3 and GLM-4.5 store the router weight bf16; transformers upcasts it
+    # on load (`_keep_in_fp32_modules_strict`), so its meta dtype is not the checkpoint's.
+    dtypes = {n: d for n, _, d in meta.tensors if not n.endswith(_UPCAST_ON_LOAD)}
+    assert {t.name: t.dtype for t in manifest.tensors if t.name in dtypes} == dtypes
     assert bool(meta.tied) == bool(config.get("tie_word_embeddings"))
 
 
@@ -81,3 +88,18 @@ def test_mixtral_checkpoint_names_round_trip() -> None:
     expert = view.layers[5].experts[3]
     assert expert["up_proj.weight"].name == "model.layers.5.block_sparse_moe.experts.3.w3.weight"
     assert view.layers[5].dense["mlp.gate.weight"].name == "model.layers.5.block_sparse_moe.gate.weight"
+
+
+def test_router_bias_is_f32_in_a_bf16_model() -> None:
+    # DeepSeek-V3 / Kimi-K2 / GLM-4.5 checkpoints store e_score_correction_bias F32: 4 bytes each.
+    for preset in ("deepseek-v3", "glm-4.5-air", "kimi-k2"):
+        manifest = build_manifest(load_model_config(preset))
+        biases = [t for t in manifest.tensors if t.name.endswith("e_score_correction_bias")]
+        assert biases and {t.dtype for t in biases} == {"float32"}
+        assert {t.dtype for t in manifest.tensors} == {"bfloat16", "float32"}
+    # weightsync_tensor_dtypes still overrides it (a source holding it otherwise says so).
+    config = load_model_config("tiny-deepseek-v3")
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    overridden = build_manifest(config | {"weightsync_tensor_dtypes": {name: "bfloat16"}})
+    assert overridden.by_name()[name].dtype == "bfloat16"
+    assert build_manifest(config).by_name()[name].dtype == "float32"

@@ -39,7 +39,8 @@ def test_presets_listed_and_all_build() -> None:
     for name in names:
         m = manifest(name)
         assert len({t.name for t in m.tensors}) == len(m.tensors), f"{name}: duplicate tensor names"
-        assert all(t.dtype == "bfloat16" for t in m.tensors)
+        # bf16 checkpoints; the router biases of DeepSeek-V3/Kimi-K2/GLM-4.5 are stored F32.
+        assert all(t.dtype == "bfloat16" or t.name.endswith("e_score_correction_bias") for t in m.tensors)
 
 
 def test_llama_names_and_shapes() -> None:

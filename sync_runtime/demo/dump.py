@@ -65,12 +65,14 @@ def write_manifest(
 
 
 def write_reference(out: Path, reference: Mapping[str, np.ndarray]) -> Path:
-    """DIR/reference.safetensors: the canonical HF-named tensors (uint16 bits saved as bf16)."""
+    """DIR/reference.safetensors: the canonical HF-named tensors (uint16 bits as bf16, uint32 as F32)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / "reference.safetensors"
     save_file(
         {
-            name: torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
+            name: torch.from_numpy(np.ascontiguousarray(a)).view(
+                torch.float32 if a.itemsize == 4 else torch.bfloat16
+            )
             for name, a in reference.items()
         },
         str(path),

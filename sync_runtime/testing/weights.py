@@ -1,8 +1,9 @@
 """Seeded weights and the demo's participant actors, shared by `weightsync demo`, tests and e2e.
 
 Weights are a pure function of (seed, version, tensor name): any process (a source actor that
-"trains a step", the checker of an end-to-end test) recomputes exactly the same bf16 bits without
-moving them. Each actor generates only the canonical tensors its own pieces touch.
+"trains a step", the checker of an end-to-end test) recomputes exactly the same bf16 (or, for
+F32 tensors, float32) bits without moving them. Each actor generates only the canonical tensors
+its own pieces touch.
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ def to_bf16_bits(values: np.ndarray) -> np.ndarray:
 
 
 def canonical_tensor(meta: TensorMeta, seed: int, version: str) -> np.ndarray:
-    """The canonical tensor `meta.name` of weights version `version` (uint16 bf16 bits)."""
-    if meta.dtype != "bfloat16":
-        raise ValueError(f"{meta.name}: demo weights are bfloat16 only, manifest says {meta.dtype}")
+    """The canonical tensor `meta.name` of weights version `version`: uint16 bf16 bits, or uint32
+    float32 bits for the tensors a checkpoint stores in F32 (router biases)."""
+    if meta.dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"{meta.name}: demo weights are bfloat16 or float32, manifest says {meta.dtype}")
     rng = np.random.default_rng(tensor_seed(seed, version, meta.name))
-    return to_bf16_bits(rng.standard_normal(meta.shape, dtype=np.float32) * np.float32(INIT_STD))
+    values = rng.standard_normal(meta.shape, dtype=np.float32) * np.float32(INIT_STD)
+    return to_bf16_bits(values) if meta.dtype == "bfloat16" else values.view(np.uint32)
 
 
 def reference_weights(
@@ -90,12 +93,16 @@ def expected_sha256(
 
 
 def bits_to_torch(bits: np.ndarray) -> torch.Tensor:
-    """uint16 bit patterns -> a bf16 torch tensor with the same bits (a copy, owned by torch)."""
-    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bfloat16).clone()
+    """uint16 (uint32) bit patterns -> a bf16 (float32) torch tensor with the same bits (a copy)."""
+    dtype = torch.float32 if bits.dtype.itemsize == 4 else torch.bfloat16
+    return torch.from_numpy(np.ascontiguousarray(bits)).view(dtype).clone()
 
 
 def torch_to_bits(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().contiguous().view(torch.uint16).numpy()
+    t = t.detach().cpu().contiguous()
+    if t.element_size() == 4:
+        return t.view(torch.int32).numpy().view(np.uint32)
+    return t.view(torch.uint16).numpy()
 
 
 def _tensors(

@@ -5,9 +5,11 @@ has the config's dtype (`dtype`, or `torch_dtype`; bfloat16 when neither is give
 config's `weightsync_tensor_dtypes` says otherwise: the dtype
 each canonical tensor has on the wire, i.e. as the source holds it (a Megatron source reports
 its live dtypes there, e.g. fp32 norms and router expert_bias in a bf16 model). DeepSeek-V3 and
-Kimi-K2 publish FP8 block-quantised weights with `weight_scale_inv` tensors (and an F32
-`e_score_correction_bias`); we model their bf16 equivalents (the form a trainer and a bf16
-vLLM deployment hold), without scale tensors.
+Kimi-K2 publish FP8 block-quantised weights with `weight_scale_inv` tensors; we model their bf16
+equivalents (the form a trainer and a bf16 vLLM deployment hold), without scale tensors.
+Tensors the checkpoints store in another dtype than the config's keep it (`CHECKPOINT_DTYPES`:
+DeepSeek-V3, Kimi-K2 and GLM-4.5 store the router's `e_score_correction_bias` in F32, and
+transformers holds it as an fp32 buffer).
 MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are not synced
 (`not_synced` says so in one line for plan and the report). A `quantization_config` is refused.
 engines/hf_meta.py reads the same tensors from transformers' own model class on the meta device;
@@ -27,6 +29,8 @@ from sync_runtime.errors import ModelConfigError
 DTYPE = "bfloat16"
 TENSOR_DTYPES_KEY = "weightsync_tensor_dtypes"
 """Config key: {canonical tensor name: dtype} overriding DTYPE per tensor (not an HF field)."""
+CHECKPOINT_DTYPES: dict[str, str] = {"mlp.gate.e_score_correction_bias": "float32"}
+"""Name suffix -> the dtype the published checkpoints store it in, whatever the config's dtype."""
 
 
 def _t(name: str, *shape: int) -> TensorMeta:
@@ -159,11 +163,17 @@ def build_manifest(config: dict[str, Any]) -> Manifest:
     """
     dims = model_dims(config)
     dtype = config_dtype(config, ("bfloat16", "float16", "float32"))
-    tensors = tuple(tensors_of(dims))
-    if dtype != DTYPE:
-        tensors = tuple(dataclasses.replace(t, dtype=dtype) for t in tensors)
+    tensors = tuple(_in_checkpoint_dtype(t, dtype) for t in tensors_of(dims))
     tensors = _with_dtypes(tensors, config.get(TENSOR_DTYPES_KEY) or {})
     return Manifest(family=dims.family, tensors=tensors, config=dict(config), dtype=dtype)
+
+
+def _in_checkpoint_dtype(t: TensorMeta, dtype: str) -> TensorMeta:
+    """`t` in the config's dtype, or in the one CHECKPOINT_DTYPES gives its name."""
+    for suffix, own in CHECKPOINT_DTYPES.items():
+        if t.name.endswith(suffix):
+            dtype = own
+    return t if t.dtype == dtype else dataclasses.replace(t, dtype=dtype)
 
 
 def _with_dtypes(tensors: tuple[TensorMeta, ...], dtypes: dict[str, str]) -> tuple[TensorMeta, ...]:
