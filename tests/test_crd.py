@@ -49,6 +49,7 @@ def full_spec() -> dict:
             "tp": 4,
             "pp": 2,
             "dp": 2,
+            "cp": 2,
             "ep": 4,
             "etp": 2,
             "vpp": 2,
@@ -98,6 +99,7 @@ def test_every_field_parses_from_camel_case() -> None:
     src = spec.source
     assert (src.ray_address, src.ray_namespace, src.actor_prefix) == ("ray://head:10001", "rl", "t-")
     assert src.parallelism.layer_counts == [5, 3] and src.parallelism.etp == 2 and src.parallelism.vpp == 2
+    assert src.parallelism.cp == 2 and src.parallelism.to_spec().cp == 2
     assert src.auth_secret_ref is not None and src.auth_secret_ref.key == "auth"
     assert spec.destinations[0].ray_cluster == "rl" and spec.destinations[0].parallelism.replicas == 3
     t = spec.transport

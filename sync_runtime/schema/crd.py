@@ -66,6 +66,7 @@ class Parallelism(CrdModel):
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)
     dp: int = Field(1, ge=1)
+    cp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     etp: int = Field(1, ge=1)
     vpp: int = Field(1, ge=1)
@@ -79,6 +80,7 @@ class Parallelism(CrdModel):
             tp=spec.tp,
             pp=spec.pp,
             dp=spec.dp,
+            cp=spec.cp,
             ep=spec.ep,
             etp=spec.etp,
             vpp=spec.vpp,
@@ -91,6 +93,7 @@ class Parallelism(CrdModel):
             tp=self.tp,
             pp=self.pp,
             dp=self.dp,
+            cp=self.cp,
             ep=self.ep,
             etp=self.etp,
             vpp=self.vpp,
@@ -283,12 +286,13 @@ MSG_SOURCE_NAME_CLASH = "destination names must differ from the source name"
 MEGATRON_LAYOUTS = ("megatron", "megatron-te")
 MSG_SOURCE_LAYOUT = "source layout must be megatron or hf (vllm is destination-only)"
 MSG_DEST_LAYOUT = "destination layout must be vllm or hf (megatron is source-only)"
-MSG_SOURCE_EP = "source: ep must divide tp*dp"
-MSG_SOURCE_ETP = "source: ep*etp must divide tp*dp"
+MSG_SOURCE_EP = "source: ep must divide tp*cp*dp"
+MSG_SOURCE_ETP = "source: ep*etp must divide tp*cp*dp"
 MSG_SOURCE_REPLICAS = "source: replicas must be 1 (use dp for data-parallel copies)"
 MSG_SOURCE_STAGING = "source: staging applies to destinations only"
 MSG_DEST_EP = "destination: ep must be 1 or equal to tp (EP inside TP)"
 MSG_DEST_DP = "destination: dp must be 1 (use replicas for data-parallel engines)"
+MSG_DEST_CP = "destination: cp must be 1 (context parallelism is a trainer-side axis)"
 MSG_DEST_ETP_VPP = "destination: etp and vpp must be 1"
 MSG_HF_SHAPE = "hf layout: pp, ep and vpp must be 1"
 MSG_VPP_MEGATRON = "vpp > 1 needs a megatron layout"
@@ -346,9 +350,9 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
     src = spec.source.parallelism
     if spec.source.layout == "vllm":
         out.append(f"spec.source: {MSG_SOURCE_LAYOUT}")
-    if (src.tp * src.dp) % src.ep:
+    if (src.tp * src.cp * src.dp) % src.ep:
         out.append(f"spec.source: {MSG_SOURCE_EP}")
-    if (src.tp * src.dp) % (src.ep * src.etp):
+    if (src.tp * src.cp * src.dp) % (src.ep * src.etp):
         out.append(f"spec.source: {MSG_SOURCE_ETP}")
     if src.replicas != 1:
         out.append(f"spec.source: {MSG_SOURCE_REPLICAS}")
@@ -372,6 +376,8 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
             out.append(f"{where}: {MSG_DEST_EP}")
         if p.dp != 1:
             out.append(f"{where}: {MSG_DEST_DP}")
+        if p.cp != 1:
+            out.append(f"{where}: {MSG_DEST_CP}")
         if (p.etp, p.vpp) != (1, 1):
             out.append(f"{where}: {MSG_DEST_ETP_VPP}")
         out += _server_problems(dest, where)
