@@ -6,6 +6,7 @@ token-authenticated Ray cluster (run with ``RayCluster.env()``; each command pri
     python ray_driver.py verify --namespace NS --dst-prefix P --model M --dst D --seed N --version V
     python ray_driver.py gate --namespace NS --prefix P --gate-file F   # arm a gate on actors
     python ray_driver.py kill --namespace NS --name ACTOR               # ray.kill one actor
+    python ray_driver.py kill-all --namespace NS                        # ...every named one
     python ray_driver.py corrupt --namespace NS --name ACTOR --armed on|off
     python ray_driver.py snapshot --namespace NS --prefix P --model M --dst SPEC --seed S
     python ray_driver.py serve                                          # many commands, one process
@@ -128,6 +129,17 @@ def cmd_kill(args: argparse.Namespace) -> dict[str, Any]:
     return {"killed": args.name}
 
 
+def cmd_kill_all(args: argparse.Namespace) -> dict[str, Any]:
+    """ray.kill every named actor of the namespace: a module's detached participants would
+    otherwise hold their memory (a torch process each) for the rest of the session."""
+    import ray
+
+    actors = _actors(args.namespace, "")
+    for _, handle in actors:
+        ray.kill(handle, no_restart=True)
+    return {"killed": [n for n, _ in actors]}
+
+
 def cmd_corrupt(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
@@ -166,6 +178,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "verify": cmd_verify,
     "gate": cmd_gate,
     "kill": cmd_kill,
+    "kill-all": cmd_kill_all,
     "corrupt": cmd_corrupt,
     "snapshot": cmd_snapshot,
 }

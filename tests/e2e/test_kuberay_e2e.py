@@ -72,10 +72,11 @@ def _holds(ray_cluster: RayCluster, version: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def participants(ray_cluster: RayCluster) -> RayCluster:
+def participants(ray_cluster: RayCluster) -> Iterator[RayCluster]:
     """Sources at v1, destinations at the stale v0, in the suite's Ray cluster."""
     ray_cluster.driver("participants", *SETUP, "--version", "v1", "--stale-version", "v0", timeout=300)
-    return ray_cluster
+    yield ray_cluster
+    ray_cluster.driver("kill-all", "--namespace", RAY_NS)  # detached: they would outlive the module
 
 
 @pytest.fixture(scope="module")

@@ -392,6 +392,8 @@ def stack(
     finally:
         helm("uninstall", RELEASE, "-n", FULL_NS, "--wait", check=False, timeout=120)
         kubectl("delete", "namespace", FULL_NS, "--wait=false", check=False)
+        # The participants are detached: each would hold a torch process's memory for the session.
+        ray_cluster.driver("kill-all", "--namespace", RAY_NS, check=False)
 
 
 def test_push_through_the_operator_returns_the_runtimes_report(

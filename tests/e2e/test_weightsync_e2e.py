@@ -152,12 +152,13 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Deployment:
+def deployment(ray_cluster: RayCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     dep = Deployment(ray_cluster, tmp_path_factory.mktemp("gate") / "closed")
     t0 = time.monotonic()
     dep.demo("--participants-only", "--version", "v1", "--stale-version", "v0")
     print(f"participants ready in {time.monotonic() - t0:.1f}s", file=sys.stderr)
-    return dep
+    yield dep
+    ray_cluster.driver("kill-all", "--namespace", RAY_NS)  # detached: they would outlive the module
 
 
 # ---- the Kubernetes side -------------------------------------------------------------------------
