@@ -27,6 +27,8 @@ READY = 0
 """Call id of a rank's "started" message (real calls count from 1)."""
 STARTUP_TIMEOUT_S = 300.0
 """A rank process imports torch before it answers: tens of seconds on a loaded 2-core machine."""
+CLOSE_GRACE_S = 2.0
+"""How long `close` waits for the ranks to leave on their own before it kills them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,10 +161,14 @@ class LocalWorld:
         for inbox, proc in zip(self._inboxes, self._procs, strict=True):
             if proc.is_alive():
                 inbox.put(None)
+        # One grace period for the whole pool, not per rank: a rank still inside a fault test's
+        # call (or slow to tear its process groups down) is our own child and holds nothing we need.
+        deadline = time.monotonic() + CLOSE_GRACE_S
         for proc in self._procs:
-            proc.join(10)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
             if proc.is_alive():
-                proc.kill()  # a rank stuck in a fault test; it is our own child
+                proc.kill()
                 proc.join(5)
 
     def __enter__(self) -> LocalWorld:
