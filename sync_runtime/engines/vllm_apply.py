@@ -9,7 +9,7 @@ Two jobs, both inside a vLLM worker process:
   fixes vLLM 0.32's reload path lacks (MoE kernel prepack, tied lm_head).
 
 This is the one module that names vLLM's private API (`vllm.model_executor.model_loader.
-reload.*`: nine names). It changes between releases, so `KNOWN_VLLM` lists the releases whose
+reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`). It changes between releases, so `KNOWN_VLLM` lists the releases whose
 internals were read and found to hold those names with the meaning used here, and
 `require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
 setup and the weightsync backend's `init_transfer_engine` call it before anything else).
@@ -111,17 +111,29 @@ def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str
 
 def kernel_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor the model's modules hold as the kernels read it, KV caches excepted: packed
-    weights, buffers, and tensors vLLM derives after loading (MLA `W_UV` / `W_UK_T`). Two engines
-    holding the same weights agree on all of them; the KV cache holds past requests, not weights.
+    weights, buffers, and tensors vLLM derives after loading (MLA `W_UV` / `W_UK_T`, or on AMX
+    CPUs the attention backend's own packed `impl._w_uk_packed` / `impl._w_uv_packed`, held by
+    the layer's `impl`, a plain object). Two engines holding the same weights agree on all of
+    them; the KV cache holds past requests, not weights.
     """
     out: dict[str, torch.Tensor] = {}
     for mname, mod in model.named_modules():
-        held = [*mod._parameters.items(), *mod._buffers.items()]
-        held += [(k, v) for k, v in vars(mod).items() if isinstance(v, torch.Tensor) and k != "kv_cache"]
+        held = [*mod._parameters.items(), *mod._buffers.items(), *_tensor_attrs(mod, "")]
+        impl = getattr(mod, "impl", None)
+        if impl is not None and not isinstance(impl, torch.nn.Module):
+            held += _tensor_attrs(impl, "impl.")
         for name, t in held:
             if t is not None and t.device.type != "meta":
                 out[f"{mname}.{name}" if mname else name] = t.detach()
     return out
+
+
+def _tensor_attrs(obj: object, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    return [
+        (prefix + k, v)
+        for k, v in getattr(obj, "__dict__", {}).items()
+        if isinstance(v, torch.Tensor) and k != "kv_cache"
+    ]
 
 
 def check_expert_placement(vllm_config: Any) -> None:
@@ -222,9 +234,39 @@ def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch
             moe = 1
         if hasattr(layer, "update_param_tp_status"):
             layer.update_param_tp_status()
+    _adopt_released_kernel_tensors(layer, info, mname)
     _copy_and_restore_kernel_tensors(layer, info)  # 3: processed values into the live storage
     info.reset()
     return moe
+
+
+def _adopt_released_kernel_tensors(layer: torch.nn.Module, info: Any, mname: str) -> None:
+    """Keep a freshly processed parameter live where the kernel tensor it would be copied into
+    is an empty placeholder another module left after reading it.
+
+    MLA on AMX CPUs: the attention layer's post-load processing packs its own W_UK/W_UV from
+    `kv_b_proj.weight`, then replaces that weight with `torch.empty(0)`. The linear's own
+    processing keeps the full weight (`_cpu_skip_gemm_dispatch`), so copying it into the [0]
+    placeholder cannot work (vLLM's own `reload_weights` fails the same way); the attention
+    layer's re-processing in `finalize_layerwise_reload` must read the new full weight, and
+    releases it again. Linears whose own processing empties the weight (oneDNN / sgl-kernel
+    packing, `remove_weight=True`) yield [0] again, equal to their placeholder: copied as usual.
+    Any other shape change would be a layout this module does not know: refused, not guessed.
+    """
+    params = info.kernel_tensors[0]
+    for pname, kernel in list(params.items()):
+        processed = getattr(layer, pname, None)
+        if processed is None or processed.shape == kernel.shape:
+            continue
+        if kernel.numel() == 0:
+            params[pname] = processed  # the copy into itself is a no-op; it is placed as is
+            continue
+        raise DestinationError(
+            f"{mname}.{pname}: vLLM's processing yields {list(processed.shape)}, the live kernel "
+            f"tensor is {list(kernel.shape)}",
+            tensor=f"{mname}.{pname}",
+            step=SyncStep.COMMIT,
+        )
 
 
 def _reprocess_tied(model: torch.nn.Module, by_module: Mapping[str, Any]) -> list[str]:
