@@ -7,12 +7,13 @@ it reaches the engine only through vLLM's own weight-transfer control surface, v
 `EngineControl`:
 
 - `init`: `init_weight_transfer_engine`, once: every worker joins this actor's control store;
-- each batched protocol call: `start_weight_update` (once per sync), then `update_weights`
-  with `{"seq", "method"}`; the per-rank arguments and answers go through the control store
-  (vllm_plugin/backend.py);
+- each batched protocol call: `update_weights` with `{"seq", "method"}` inside its own
+  `start_weight_update` .. `finish_weight_update` session (never left open: vLLM refuses a
+  second start, so an open one would block the engine's next proxy); the per-rank arguments and
+  answers go through the control store (vllm_plugin/backend.py);
 - `ws_pause` pauses the engine (mode `keep`, `wait` or `abort`) before the workers apply;
-  `ws_resume` ends the update with `finish_weight_update(version)` (vLLM's weight version label)
-  and resumes generation. The seconds between the two are this replica's pause, reported apart
+  `ws_resume` labels the engine with the version (`finish_weight_update(version)`, vLLM's weight
+  version label) and resumes generation. The seconds between the two are this replica's pause, reported apart
   from the transfer (`pause_seconds`).
 
 `ActorControl` drives an offline `vllm.LLM` held by a Ray actor the user wrote, by convention:
@@ -23,10 +24,12 @@ actor runs one call at a time, and the apply is one call, never concurrent with 
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch.distributed as dist
@@ -154,7 +157,7 @@ class VllmEngineRanks(RankBatcher):
         self._prefix = f"ws-{secrets.token_hex(6)}"
         self._seq = 0
         self._state = threading.Lock()
-        self._update_open = False
+        self._session = threading.Lock()
         self._paused_at: float | None = None
         self._pauses: list[float] = []
         self._last_pause: float | None = None
@@ -200,15 +203,10 @@ class VllmEngineRanks(RankBatcher):
         with self._state:
             self._seq += 1
             seq = self._seq
-            if not self._update_open:
-                self._control.start()  # vLLM accepts update_weights only inside an update
-                self._update_open = True
         with self._store_lock:
             for i, args in per_rank.items():
                 self._store.set(args_key(self._prefix, seq, i), pickle.dumps(args))
-        if method == "ws_pause":
-            self._pause_engine()
-        self._control.update({"seq": seq, "method": method})
+        self._in_session(lambda: self._send(method, seq))
         results = []
         for i in range(self._ranks):
             results.append(pickle.loads(self._await(answer_key(self._prefix, seq, i))))
@@ -217,6 +215,35 @@ class VllmEngineRanks(RankBatcher):
                 self._store.delete_key(answer_key(self._prefix, seq, i))
                 self._store.delete_key(args_key(self._prefix, seq, i))
         return results
+
+    def _send(self, method: str, seq: int) -> None:
+        if method == "ws_pause":
+            self._pause_engine()
+        self._control.update({"seq": seq, "method": method})
+
+    def _in_session(self, work: Callable[[], None], version: str | None = None) -> None:
+        """`work` inside one vLLM weight-update session (start .. finish), never left open: vLLM
+        accepts update_weights only inside one and refuses a second start while one is open, so a
+        session left open (by a runtime that ended, or a proxy killed) would block every later
+        proxy of the engine. `version`: the label finish gives the engine's outputs."""
+        with self._session:
+            self._start()
+            try:
+                work()
+            except Exception:
+                with contextlib.suppress(Exception):  # vLLM closes it itself when update_weights fails
+                    self._control.finish(None)
+                raise
+            self._control.finish(version)
+
+    def _start(self) -> None:
+        try:
+            self._control.start()
+        except Exception as e:
+            if "already active" not in str(e):
+                raise
+            self._control.finish(None)  # left open by an earlier proxy of this engine; label kept
+            self._control.start()
 
     def _after_batch(self, batch: Batch) -> None:
         if batch.method != "ws_resume":
@@ -227,10 +254,8 @@ class VllmEngineRanks(RankBatcher):
         if not resumed:
             return  # a rank does not hold the version: the replica stays paused (commit.py)
         (version,) = next(iter(batch.args.values()))
+        self._in_session(lambda: None, str(version))  # vLLM labels outputs with this version
         with self._state:
-            if self._update_open:
-                self._control.finish(str(version))  # vLLM labels outputs with this version
-                self._update_open = False
             if self._paused_at is not None:
                 self._control.resume()
                 self._last_pause = time.monotonic() - self._paused_at
