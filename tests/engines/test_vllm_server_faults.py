@@ -1,13 +1,21 @@
 """Fault trials against real `vllm serve` servers with the weightsync backend (two replicas,
-TP 1): a server killed during its apply, then restarted on its checkpoint (dummy) weights.
+TP 1): a server killed during its apply, then replaced by a fresh server on its checkpoint
+(dummy) weights that the next sync repairs.
 
 The kill comes right after the commit decision (CommitHooks.after_decision): replica 0 commits,
 replica 1's server is gone before its pause. Oracle: `VllmReplica` loaded from the reference
 checkpoint.
+
+The replacement server process is launched with the fleet and joins the deployment (its
+WeightSync actor is created, so discovery sees it) only after the crash: to WeightSync that is a
+restarted replica. Launched only after the crash, it took 3-8 minutes to boot on a loaded 2-core
+machine while replica 0 kept serving (three vLLM processes importing torch against a serving
+engine's OpenMP threads), which made this the slowest test of the suite.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +30,9 @@ from sync_runtime.runtime.commit import CommitHooks
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncResult
 from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
-from tests.support.vllm_server import Client, free_port, generations, serve, stop, wait_healthy
+from tests.support.vllm_server import Client, Server, generations, launch, stop
 
-# a restarted server starts in 3-8 minutes on a loaded 2-core machine while the other one serves
-pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 NS = "vllm-server-faults"
 DST = ParallelSpec.parse("tp=1,replicas=2")
 
@@ -35,35 +42,38 @@ class Servers:
 
     def __init__(self, model_dir: str, logs: Path) -> None:
         self.model_dir, self.logs = model_dir, logs
-        self.procs: dict[int, Any] = {}
-        self.urls: dict[int, str] = {}
+        self.servers: dict[int, Server] = {}
         self.actors: dict[int, Any] = {}
-        self.starts = 0
+        self.launched: list[Server] = []
+        self.joins = 0
 
-    def start(self, *replicas: int) -> None:
-        logs = {}
-        for k in replicas:
-            port = free_port()
-            self.starts += 1
-            self.urls[k] = f"http://127.0.0.1:{port}"
-            logs[k] = self.logs / f"serve-{k}-{self.starts}.log"
-            self.procs[k] = serve(self.model_dir, port, logs[k])
-        for k in replicas:
-            wait_healthy(self.urls[k], self.procs[k], logs[k])
-            # a fresh name per start: the killed actor's name may not be free yet
-            name = f"sf-r{k}-{self.starts}"
-            self.actors[k] = attach(name, NS, HttpControl(self.urls[k]), replica=k, ranks=1)
-        ray.get([self.actors[k].ws_num_ranks.remote() for k in replicas], timeout=300)
+    def launch(self) -> Server:
+        """A server process of this module, booting in the background (not yet a replica)."""
+        server = launch(self.model_dir, self.logs / f"serve-{len(self.launched)}.log")
+        self.launched.append(server)
+        return server
+
+    def join(self, k: int, server: Server) -> None:
+        """`server` becomes replica k: healthy, then its WeightSync actor (found by discovery)."""
+        server.wait()
+        self.servers[k] = server
+        self.joins += 1  # a fresh name per server: the killed actor's name may not be free yet
+        self.actors[k] = attach(f"sf-r{k}-{self.joins}", NS, HttpControl(server.url), replica=k, ranks=1)
+        ray.get(self.actors[k].ws_num_ranks.remote(), timeout=300)
+
+    def url(self, k: int) -> str:
+        return self.servers[k].url
 
     def crash(self, k: int) -> None:
-        stop(self.procs[k], kill=True)
+        stop(self.servers[k].proc, kill=True)
         ray.kill(self.actors.pop(k))
 
     def close(self) -> None:
+        """Detach every replica; stop every server launched."""
         for a in self.actors.values():
             ray.kill(a)
-        for p in self.procs.values():
-            stop(p)
+        for s in self.launched:
+            stop(s.proc)
 
 
 @pytest.fixture(scope="module")
@@ -80,10 +90,14 @@ def fleet(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     ) as d:
         servers = Servers(d.setup.model.rsplit("/", 1)[0], tmp)
         try:
-            servers.start(0, 1)
+            first = [servers.launch() for _ in range(2)]
+            replacement = servers.launch()  # replica 1 after the crash
+            for k, server in enumerate(first):
+                servers.join(k, server)
             dst = [destination_ref("srv", NS, "sf-r", DST)]
             yield {
                 "servers": servers,
+                "replacement": replacement,
                 "ref": d.reference_calls[0]["ref"],
                 "spec": sync_spec(d.setup.model, NS, d.setup.src, dst, "v1"),
                 "manifest": d.manifest,
@@ -94,31 +108,42 @@ def fleet(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 def test_killed_during_its_apply_then_restarted(fleet: dict[str, Any]) -> None:
     servers, ref = fleet["servers"], fleet["ref"]
-    client = Client(servers.urls[0])  # replica 0's clients must see no error throughout
+    client = Client(servers.url(0))  # replica 0's clients must see no error throughout
     client.start()
     hooks = CommitHooks(after_decision=lambda: servers.crash(1))
     coordinator = Coordinator(fleet["spec"], NullReporter(), manifest=fleet["manifest"], commit_hooks=hooks)
+    phases: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.monotonic() - t0 - sum(phases.values()), 1)
+
     try:
         report = coordinator.sync("v1")
-        after_crash = generations(servers.urls[0])
+        phase("sync v1 (replica 1 killed)")
+        after_crash = generations(servers.url(0))
         coordinator.commit_hooks = None
-        servers.start(1)  # back on its checkpoint (dummy) weights
-        restarted = generations(servers.urls[1])
+        servers.join(1, fleet["replacement"])  # a fresh server, on its checkpoint (dummy) weights
+        phase("replacement joins")
+        restarted = generations(servers.url(1))
         again = coordinator.sync("v1-again")
-        synced = [generations(servers.urls[k]) for k in (0, 1)]
+        phase("sync v1-again")
+        synced = [generations(servers.url(k)) for k in (0, 1)]
+        phase("generations")
     finally:
         coordinator.close()
         client.stop.set()
         client.join(120)
+    print("server faults phases (s):", phases)
     print("crash report:", report.result, report.failure, [r.model_dump() for r in report.replicas])
     assert report.result is not SyncResult.SUCCEEDED and report.failure is not None
     states = {r.replica: r for r in report.replicas}
     assert states[0].state is ReplicaState.SERVING and states[0].version == "v1"
     assert states[1].state is not ReplicaState.SERVING or states[1].version != "v1"
     assert after_crash == ref  # the surviving replica committed and serves v1 exactly
-    assert restarted != ref  # the restarted server holds its checkpoint weights, not v1
+    assert restarted != ref  # the new server holds its checkpoint (dummy) weights, not v1
     assert again.result is SyncResult.SUCCEEDED, again.failure
     assert synced == [ref, ref]
     assert client.failed == 0, client.errors[:3]
     assert client.requests > 0
-    assert [HttpControl(servers.urls[k]).version() for k in (0, 1)] == ["v1-again", "v1-again"]
+    assert [HttpControl(servers.url(k)).version() for k in (0, 1)] == ["v1-again", "v1-again"]

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -70,6 +71,25 @@ def stop(proc: subprocess.Popen, *, kill: bool = False) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+
+
+class Server(NamedTuple):
+    """A `vllm serve` process (see `launch`)."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def wait(self) -> str:
+        """Block until healthy; the URL."""
+        wait_healthy(self.url, self.proc, self.log)
+        return self.url
+
+
+def launch(model_dir: str, log: Path) -> Server:
+    """`serve` on a free port, booting in the background: `.wait()` for it."""
+    port = free_port()
+    return Server(f"http://127.0.0.1:{port}", serve(model_dir, port, log), log)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
