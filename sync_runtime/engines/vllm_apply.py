@@ -5,11 +5,12 @@ Two jobs, both inside a vLLM worker process:
   read from the live model's pre-load metadata (`LAYERWISE_INFO[module].restore_metadata`, which
   vLLM records before CPU/GPU post-processing repacks weights into kernel layouts).
 - `apply_shards`: write one full set of staged shards into the model through vLLM's own
-  post-load processing (the six steps of docs/vllm.md), as its layerwise reload does, plus the two
+  post-load processing (the steps of docs/vllm.md), as its layerwise reload does, plus the two
   fixes vLLM 0.32's reload path lacks (MoE kernel prepack, tied lm_head).
 
 This is the one module that names vLLM's private API (`vllm.model_executor.model_loader.
-reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`). It changes between
+reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`; and
+`set_default_quant_scales` of its attention layers). It changes between
 releases, so `KNOWN_VLLM` lists the releases whose internals were read and found to hold those
 names with the meaning used here, and
 `require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
@@ -175,7 +176,8 @@ class ApplyReport:
 
 
 def apply_shards(model: torch.nn.Module, vllm_config: Any, staged: Mapping[str, torch.Tensor]) -> ApplyReport:
-    """Steps 1-6 of docs/vllm.md: re-materialise, copy, post-process, restore, finalize, tied."""
+    """Steps 1-7 of docs/vllm.md: re-materialise, copy, post-process, restore, finalize, tied,
+    attention scales."""
     require_supported_vllm()
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import (
@@ -194,7 +196,22 @@ def apply_shards(model: torch.nn.Module, vllm_config: Any, staged: Mapping[str, 
             moe += _apply_module(model.get_submodule(mname), mname, params)  # 2-3
         finalize_layerwise_reload(model, vllm_config.model_config)  # 4: others back; MLA re-derived
         tied = _reprocess_tied(model, by_module)  # 5
+        if getattr(vllm_config, "quant_config", None) is None:
+            _reset_attention_scales(model)  # 6
     return ApplyReport(len(by_module), len(staged), moe, tuple(tied))
+
+
+def _reset_attention_scales(model: torch.nn.Module) -> None:
+    """Attention layers of an unquantized model hold q/k/v/prob scales of 1.0 after a checkpoint
+    load; vLLM sets them in its attention layers' post-load processing. Its AMX MLA backend returns
+    before that line, so an engine started with dummy weights keeps the dummy loader's random scales
+    there, and a sync (which writes weights only) would leave the kernel state unlike a
+    checkpoint-loaded engine's. Setting them as vLLM's load does makes the two equal everywhere."""
+    from vllm.model_executor.layers.attention.attention import set_default_quant_scales
+
+    for module in model.modules():
+        if all(hasattr(module, f"_{s}_scale") for s in ("q", "k", "v", "prob")):
+            set_default_quant_scales(module, register_buffer=False)
 
 
 def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch.Tensor]) -> int:

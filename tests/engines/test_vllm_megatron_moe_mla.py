@@ -50,7 +50,6 @@ from sync_runtime.testing.vllm_deploy import Generation
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from tests.support.vllm_deploy import (
     CONFIGS,
-    MLA_RELOAD_FAILS_ON_AMX,
     destination_ref,
     generations,
     kernel_checksums,
@@ -166,7 +165,6 @@ def test_megatron_tp2_ep2_qwen3_moe_into_vllm_tp2_is_bit_identical(
     assert version == "v1"
 
 
-@MLA_RELOAD_FAILS_ON_AMX
 def test_megatron_tp2_mla_deepseek_v3_into_vllm_tp2_is_bit_identical(
     trainers: list[Any], tmp_path: Path
 ) -> None:

@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import ray
-import torch
 
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest
@@ -33,22 +31,6 @@ from sync_runtime.testing.vllm_deploy import (
 )
 from sync_runtime.testing.vllm_models import CONFIGS, MAX_TOKENS, PROMPTS, write_model
 from tests.support.vllm_oracle import finish_oracles, start_oracles
-
-MLA_RELOAD_FAILS_ON_AMX = pytest.mark.xfail(
-    torch.cpu._is_amx_tile_supported(),
-    reason=(
-        "known failure, not fixed: on CPUs with AMX tiles vLLM's AMX MLA backend returns from "
-        "MLAAttention.process_weights_after_loading before set_default_quant_scales, so the "
-        "_k_scale/_v_scale/_q_scale/_prob_scale buffers of a dummy-loaded destination keep the dummy "
-        "loader's random values (a checkpoint-loaded engine has 1.0); they are not weights, a sync "
-        "does not write them, and the kernel-state comparison fails on them alone. The sync itself "
-        "succeeds and commits every tensor exactly (test_mla_commits_the_exact_bytes_...)."
-    ),
-    strict=True,
-)
-"""An MLA (DeepSeek-V3) sync into a dummy-loaded vLLM on an AMX CPU compared tensor by tensor with
-a checkpoint-loaded one: expected to fail, strictly (a pass fails the run, so the mark goes the day
-it passes)."""
 
 ROOT = Path(__file__).resolve().parents[2]
 
