@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sync_runtime.errors import DiscoveryError
+from sync_runtime.kube.client import load_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,15 +123,9 @@ def pod_of(obj: Any) -> ServerPod:
 
 
 def _core_api() -> Any:
-    from kubernetes import client, config
+    from kubernetes import client
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        try:
-            config.load_kube_config()
-        except config.ConfigException as e:
-            raise DiscoveryError(f"vllmServers needs the Kubernetes API: {e}") from e
+    load_config(lambda e: DiscoveryError(f"vllmServers needs the Kubernetes API: {e}"))
     return client.CoreV1Api()
 
 

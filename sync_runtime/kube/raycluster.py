@@ -11,19 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from sync_runtime.errors import RayUnreachableError
+from sync_runtime.kube.client import load_config
 from sync_runtime.schema.crd import RAYCLUSTER_GROUP, RAYCLUSTER_PLURAL, RAYCLUSTER_VERSION
 
 
 def _custom_api() -> Any:
-    from kubernetes import client, config
+    from kubernetes import client
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        try:
-            config.load_kube_config()
-        except config.ConfigException as e:
-            raise RayUnreachableError(f"rayCluster needs the Kubernetes API: {e}") from e
+    load_config(lambda e: RayUnreachableError(f"rayCluster needs the Kubernetes API: {e}"))
     return client.CustomObjectsApi()
 
 

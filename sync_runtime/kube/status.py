@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sync_runtime.kube.client import load_config
 from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, WeightSyncSpec
 from sync_runtime.schema.public import public_message
 from sync_runtime.schema.report import ProgressEvent, RankSummary, ReplicaState, SyncReport
@@ -131,12 +132,9 @@ def phase_patch(
 
 
 def _custom_api() -> Any:
-    from kubernetes import client, config
+    from kubernetes import client
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    load_config()
     return client.CustomObjectsApi()
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from sync_runtime.kube.client import load_config
 from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, VERSION_PATTERN
 from sync_runtime.schema.report import SyncReport
 from sync_runtime.trainer.errors import PushTimeout, WeightSyncNotFound
@@ -28,12 +29,9 @@ DEFAULT_TIMEOUT_S = 600.0
 
 
 def _custom_api() -> Any:
-    from kubernetes import client, config
+    from kubernetes import client
 
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        config.load_kube_config()
+    load_config()
     return client.CustomObjectsApi()
 
 
