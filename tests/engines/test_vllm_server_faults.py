@@ -29,8 +29,9 @@ from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.commit import CommitHooks
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncResult
+from sync_runtime.testing.vllm_models import PROMPTS
 from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
-from tests.support.vllm_server import Client, Server, generations, launch, stop
+from tests.support.vllm_server import Client, Server, generate, generations, launch, stop
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 NS = "vllm-server-faults"
@@ -94,6 +95,9 @@ def fleet(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             replacement = servers.launch()  # replica 1 after the crash
             for k, server in enumerate(first):
                 servers.join(k, server)
+            # The replacement's first forward pass, before the trial: a fresh server's first
+            # request took 60-120 s beside a serving replica (it is still on its checkpoint).
+            generate(replacement.wait(), PROMPTS[0], timeout_s=600)
             dst = [destination_ref("srv", NS, "sf-r", DST)]
             yield {
                 "servers": servers,
@@ -125,7 +129,8 @@ def test_killed_during_its_apply_then_restarted(fleet: dict[str, Any]) -> None:
         coordinator.commit_hooks = None
         servers.join(1, fleet["replacement"])  # a fresh server, on its checkpoint (dummy) weights
         phase("replacement joins")
-        restarted = generations(servers.url(1))
+        restarted = generations(servers.url(1), timeout_s=300)
+        phase("replacement generates")
         again = coordinator.sync("v1-again")
         phase("sync v1-again")
         synced = [generations(servers.url(k)) for k in (0, 1)]

@@ -52,7 +52,10 @@ def serve(model_dir: str, port: int, log: Path) -> subprocess.Popen:
         "--weight-transfer-config",
         json.dumps({"backend": "weightsync"}),
     ]
-    env = {**os.environ, **engine_env(1), "VLLM_SERVER_DEV_MODE": "1"}
+    # OMP_WAIT_POLICY=PASSIVE: a worker's OpenMP threads sleep at barriers instead of spinning.
+    # Three servers' workers bound to the same two cores and spinning made one forward pass
+    # take minutes (a CI run's first request to a fresh server timed out after 120 s).
+    env = {**os.environ, **engine_env(1), "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     # its own session: stop() ends the API server, its engine core and its workers together
     return subprocess.Popen(
         args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
@@ -106,7 +109,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     raise TimeoutError(f"vllm serve not healthy within {START_TIMEOUT_S:g}s")
 
 
-def generate(url: str, prompt: list[int]) -> tuple[dict[str, list], list[str]]:
+def generate(url: str, prompt: list[int], timeout_s: float = 120) -> tuple[dict[str, list], list[str]]:
     """One greedy generation: ({token_ids, logprobs}, the weight versions it was sampled with)."""
     body = {
         "token_ids": list(prompt),
@@ -118,7 +121,7 @@ def generate(url: str, prompt: list[int]) -> tuple[dict[str, list], list[str]]:
             "detokenize": False,
         },
     }
-    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=120)
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=timeout_s)
     r.raise_for_status()
     choice = r.json()["choices"][0]
     lps = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
@@ -126,8 +129,8 @@ def generate(url: str, prompt: list[int]) -> tuple[dict[str, list], list[str]]:
     return {"token_ids": list(choice["token_ids"]), "logprobs": lps}, versions
 
 
-def generations(url: str) -> list[dict[str, list]]:
-    return [generate(url, p)[0] for p in PROMPTS]
+def generations(url: str, timeout_s: float = 120) -> list[dict[str, list]]:
+    return [generate(url, p, timeout_s)[0] for p in PROMPTS]
 
 
 class Client(threading.Thread):
