@@ -4,13 +4,17 @@ The runtime's report lists every destination replica after the commit phase (or 
 recovery that opened a sync); the operator keeps that list in `status.replicas` until a later
 report carries a new one. A report without replicas (a sync that failed before its commit, e.g.
 at discovery) says nothing about them, so the last known list stays.
+
+The list is bounded: at most `LISTED_REPLICAS` entries, those out of serving first (the runtime
+cuts it so, and the operator cuts a list from an older runtime the same way); the `serving`
+column counts every replica, from the report's `replicaSummary` where the list was cut.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sync_runtime.schema.report import ReplicaState, SyncReport
+from sync_runtime.schema.report import ReplicaState, SyncReport, listed_replicas
 from sync_runtime.schema.status import ReplicaStatus
 
 OUT_OF_SERVING_REASONS = {
@@ -33,16 +37,21 @@ def replica_statuses(report: SyncReport | None, prior: Sequence[ReplicaStatus]) 
             rank_versions=list(r.rank_versions),
             pause_seconds=r.pause_seconds,
         )
-        for r in report.replicas
+        for r in listed_replicas(report.replicas)
     ]
 
 
-def serving_column(replicas: Sequence[ReplicaStatus]) -> str | None:
-    """ "1/2": replicas serving one complete version, of all; None before any report named them."""
-    if not replicas:
-        return None
-    serving = sum(r.state == ReplicaState.SERVING.value for r in replicas)
-    return f"{serving}/{len(replicas)}"
+def serving_column(report: SyncReport | None, prior: str | None) -> str | None:
+    """ "1/2": replicas serving one complete version, of all; None before any report named them.
+
+    Counted from the report's summary (every replica, listed or not); a report that names no
+    replica keeps the `prior` column, as the list itself stays."""
+    if report is not None and report.replica_summary is not None and report.replica_summary.count:
+        return f"{report.replica_summary.serving}/{report.replica_summary.count}"
+    if report is not None and report.replicas:
+        serving = sum(r.state is ReplicaState.SERVING for r in report.replicas)
+        return f"{serving}/{len(report.replicas)}"
+    return prior
 
 
 def _ranks(r: ReplicaStatus) -> str:

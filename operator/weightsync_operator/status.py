@@ -355,7 +355,7 @@ def derive_status(
         destinations=",".join(d.name for d in spec.destinations) if spec else prior_status.destinations,
         topology_hash=desired_hash,
         replicas=replicas,
-        serving=serving_column(replicas),
+        serving=serving_column(report, prior_status.serving),
         restarts=decision.restarts,
         runtime=runtime_status,
     )

@@ -26,7 +26,14 @@ from pydantic import ValidationError
 from sync_runtime.kube.client import load_config
 from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, WeightSyncSpec
 from sync_runtime.schema.public import public_message
-from sync_runtime.schema.report import ProgressEvent, RankSummary, ReplicaState, SyncReport
+from sync_runtime.schema.report import (
+    ProgressEvent,
+    RankSummary,
+    ReplicaState,
+    ReplicaSummary,
+    SyncReport,
+    listed_replicas,
+)
 from sync_runtime.schema.status import RuntimePhase, WeightSyncStatus
 
 log = logging.getLogger("weightsync.k8s")
@@ -77,17 +84,20 @@ def report_json(report: SyncReport) -> dict[str, Any]:
 
     Bounded whatever the fleet's size (etcd refuses objects over 1.5 MiB; 12,288 ranks' table
     alone was about 1.2 MB): the per-rank table becomes `rankSummary` and `ranks` is emptied (the
-    runtime's log and `--report` file keep the table); a serving replica's per-rank versions, all
-    equal to its version, are left out. What remains grows only with the replica count.
+    runtime's log and `--report` file keep the table); the replica list keeps at most
+    `LISTED_REPLICAS` (those out of serving first) beside `replicaSummary`, and a serving
+    replica's per-rank versions, all equal to its version, are left out.
     """
+    listed = listed_replicas(report.replicas)
     compact = report.model_copy(
         update={
             "ranks": [],
             "rank_summary": RankSummary.of(report.ranks),
             "replicas": [
                 r.model_copy(update={"rank_versions": []}) if r.state is ReplicaState.SERVING else r
-                for r in report.replicas
+                for r in listed
             ],
+            "replica_summary": ReplicaSummary.of(report.replicas, len(listed)) if report.replicas else None,
         }
     )
     data = compact.model_dump(by_alias=True, mode="json")

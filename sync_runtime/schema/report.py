@@ -101,6 +101,39 @@ class ReplicaVersion(WireModel):
     or its destination does not measure it."""
 
 
+LISTED_REPLICAS = 32
+"""The CR's status lists at most this many replicas (those out of serving first); the report file
+and the runtime's log keep them all."""
+
+
+class ReplicaSummary(WireModel):
+    """The replica list in brief, of a size that does not grow with the fleet (the CR's status)."""
+
+    count: int = 0
+    serving: int = 0
+    listed: int = 0
+    """How many replicas `replicas` still lists: out of serving first, then serving ones."""
+    max_pause_seconds: float | None = None
+
+    @classmethod
+    def of(cls, replicas: list[ReplicaVersion], listed: int) -> ReplicaSummary:
+        pauses = [r.pause_seconds for r in replicas if r.pause_seconds is not None]
+        return cls(
+            count=len(replicas),
+            serving=sum(r.state is ReplicaState.SERVING for r in replicas),
+            listed=listed,
+            max_pause_seconds=max(pauses) if pauses else None,
+        )
+
+
+def listed_replicas(replicas: list[ReplicaVersion], limit: int = LISTED_REPLICAS) -> list[ReplicaVersion]:
+    """The replicas the CR's status names, at most `limit`, in (deployment, replica) order: every
+    one out of serving (the actionable ones) before any serving one is chosen."""
+    by_need = sorted(replicas, key=lambda r: (r.state is ReplicaState.SERVING, r.deployment, r.replica))
+    chosen = by_need[:limit]
+    return sorted(chosen, key=lambda r: (r.deployment, r.replica))
+
+
 class SyncReport(WireModel):
     version: str
     started_at: datetime
@@ -125,6 +158,8 @@ class SyncReport(WireModel):
     """What of the checkpoint this sync leaves out, one line each (e.g. DeepSeek-V3's MTP layers)."""
     replicas: list[ReplicaVersion] = []
     """Per destination replica after the commit (or the recovery that preceded a failed sync)."""
+    replica_summary: ReplicaSummary | None = None
+    """Set where `replicas` is cut to `LISTED_REPLICAS` (the CR's status): the list in brief."""
     recovered: list[str] = []
     """What this sync finished of an earlier, interrupted one (roll forward / back)."""
     encoding: Literal["full", "delta", "mixed"] = "full"

@@ -5,17 +5,17 @@ degraded) goes through the runtime's own writer (`KubernetesReporter.finished`, 
 the status subresource), then through the operator's own status derivation and patch
 (`derive_status`, `status_patch`). The object read back from the API server (everything etcd
 keeps: spec, status.runtime.lastReport, status.replicas, conditions) must stay under 64 KiB and
-still carry the rank summary and the degraded replica's per-rank versions.
+still carry the rank summary and the degraded replica's per-rank versions; with 16 times the
+replicas it stays the same size (lists cut to the replicas out of serving first, then a summary).
 
 Control: the same report stored whole (the per-rank table in lastReport, as before the bound)
-makes an object over 64 KiB, read back from the same API server. The bytes each serving replica
-still costs are measured from a second fleet with twice the replicas and reported.
+makes an object over 64 KiB, read back from the same API server.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,53 +26,23 @@ from weightsync_operator.status import derive_status, status_patch
 
 from sync_runtime.kube.status import KubernetesReporter
 from sync_runtime.schema.crd import GROUP, PLURAL, VERSION, WeightSyncSpec
-from sync_runtime.schema.report import RankBytes, ReplicaState, ReplicaVersion, SyncReport, SyncResult
+from sync_runtime.schema.report import (
+    LISTED_REPLICAS,
+    ReplicaState,
+)
 from sync_runtime.schema.status import RestartStatus, RuntimeStatus, WeightSyncStatus
+from tests.support.fleet import DST_TP, SRC_RANKS, fleet_report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "weightsyncs.weightsync.io.yaml"
 LIMIT = 64 * 1024
-SRC_RANKS, DST_TP = 4096, 16
 SPEC = {
     "version": "v2",
     "allowUnauthenticatedRay": True,
     "source": {"name": "trainer", "rayAddress": "ray:6379", "actorPrefix": "t-", "layout": "megatron"},
     "destinations": [{"name": "rollout", "rayAddress": "ray:6379", "actorPrefix": "v-", "layout": "vllm"}],
 }
-T0 = datetime(2026, 1, 1, tzinfo=UTC)
-
-
-def fleet_report(replicas: int) -> SyncReport:
-    ranks = [
-        RankBytes(rank=i, role="source", name=f"trainer-{i}", send_bytes=10**9 + i, recv_bytes=0)
-        for i in range(SRC_RANKS)
-    ]
-    ranks += [
-        RankBytes(rank=SRC_RANKS + i, role="destination", name=f"rollout-{i}", send_bytes=0,
-                  recv_bytes=2 * 10**9 + i)
-        for i in range(DST_TP * replicas)
-    ]  # fmt: skip
-    states = [
-        ReplicaVersion(deployment="rollout", replica=k, version="v2", state=ReplicaState.SERVING,
-                       rank_versions=["v2"] * DST_TP)
-        for k in range(replicas)
-    ]  # fmt: skip
-    states[3] = ReplicaVersion(
-        deployment="rollout",
-        replica=3,
-        version=None,
-        state=ReplicaState.DEGRADED,
-        rank_versions=["v1"] + ["v2"] * (DST_TP - 1),
-    )
-    return SyncReport(
-        version="v2",
-        started_at=T0,
-        finished_at=T0 + timedelta(seconds=3),
-        result=SyncResult.SUCCEEDED,
-        ranks=ranks,
-        replicas=states,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +122,16 @@ def test_stored_object_stays_under_64kib_at_6144_ranks(
     assert stored["status"]["serving"] == "127/128"
     assert size < LIMIT, f"stored WeightSync is {size} bytes"
 
-    # The bytes a serving replica still adds (lastReport.replicas + status.replicas).
-    bigger = _size(_stored_fleet(api, namespace, "fleet-x2", 256))
-    per_replica = (bigger - size) / 128
-    record_property("bytes_per_serving_replica", per_replica)
-    print(f"\nstored: {size} B at 128 replicas, {bigger} B at 256; {per_replica:.0f} B per serving replica")
+    # 16 times the replicas: the lists stay cut to LISTED_REPLICAS, the summary counts them all.
+    bigger = _stored_fleet(api, namespace, "fleet-x16", 2048)
+    grown = _size(bigger) - size
+    record_property("bytes_grown_128_to_2048_replicas", grown)
+    print(f"\nstored: {size} B at 128 replicas, {size + grown} B at 2,048")
+    assert bigger["status"]["serving"] == "2047/2048"
+    assert len(bigger["status"]["replicas"]) == LISTED_REPLICAS
+    assert bigger["status"]["runtime"]["lastReport"]["replicaSummary"]["count"] == 2048
+    assert 3 in {r["replica"] for r in bigger["status"]["replicas"]}  # the degraded one stays named
+    assert grown < 200, f"{grown} bytes more at 2,048 replicas than at 128"
 
 
 def test_control_the_per_rank_table_in_status_exceeds_64kib(api: Any, namespace: str) -> None:
