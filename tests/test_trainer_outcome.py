@@ -87,3 +87,23 @@ def test_superseded_before_ours_ran_raises() -> None:
     running = {"runtime": {"phase": "Syncing", "version": "v2"}}
     with pytest.raises(VersionSuperseded):
         t.observe(body(3, "v2", 3, ("False", "SyncPending"), **running))
+
+
+def test_a_version_synced_before_the_patch_answers_with_the_runtimes_report() -> None:
+    """The runtime's report of our version was already stored when the push read the object:
+    the answer is that report (with its rank summary), not the operator's shorter summary."""
+    runtime = {
+        "runtime": {
+            "phase": "Idle",
+            "version": "v1",
+            "lastReport": {**rep("v1", 3), "rankSummary": {"count": 4}},
+        }
+    }
+    before = body(1, "v0", 1, **runtime)
+    t = PushTracker.start("v1", before, body(2, "v1", 1, **runtime))
+    synced = ("True", "VersionSynced")
+    got = t.observe(body(2, "v1", 2, synced, syncedVersion="v1", lastSync=last("v1", 3), **runtime))
+    assert got is not None and got.rank_summary is not None and got.rank_summary.count == 4
+    # Control: without the runtime's report only the operator's summary is at hand.
+    bare = t.observe(body(2, "v1", 2, synced, syncedVersion="v1", lastSync=last("v1", 3)))
+    assert bare is not None and bare.rank_summary is None

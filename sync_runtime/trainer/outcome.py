@@ -20,6 +20,7 @@ The rules, and why:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -43,6 +44,7 @@ PENDING_REASON = "SyncPending"
 FINAL_DEGRADED = frozenset({"InvalidSpec", "RuntimeOverrideRefused", "RetryLimitExceeded"})
 """Degraded reasons nothing but a spec change ends: waiting longer cannot produce a sync."""
 
+log = logging.getLogger("weightsync.trainer")
 _Key = tuple[str, datetime | None]
 """A finished sync: (version, finishedAt); tells a new report from one seen before the patch."""
 
@@ -191,6 +193,13 @@ class PushTracker:
         found = [r for r in self.seen.values() if r.version == self.version and r.result is result]
         return found[-1] if found else None
 
+    def _current_report(self, status: WeightSyncStatus) -> SyncReport | None:
+        """The runtime's report in this object when it is a success of our version, even one
+        that was already there before the patch (the version was synced before it was asked)."""
+        report = _runtime_report(status)
+        ok = report is not None and report.version == self.version and report.result is SyncResult.SUCCEEDED
+        return report if ok else None
+
     def _final(self, failure: SyncFailure | None) -> bool:
         if self.fail_fast or failure is None or not failure.retryable:
             return True
@@ -199,8 +208,14 @@ class PushTracker:
     def _current(self, status: WeightSyncStatus, synced: Condition | None) -> SyncReport | None:
         last = status.last_sync
         if synced is not None and synced.status == "True" and status.synced_version == self.version:
-            report = self._mine(SyncResult.SUCCEEDED)
+            report = self._mine(SyncResult.SUCCEEDED) or self._current_report(status)
             if report is None and last is not None and last.version == self.version:
+                log.warning(
+                    "push of %s: the runtime's report is not in status (reports seen: %s); "
+                    "answering with the operator's lastSync",
+                    self.version,
+                    sorted((v, str(t)) for v, t in self.seen),
+                )
                 report = report_from_last_sync(last)
             return report  # None only until lastSync names our version (the same write, in practice)
         fresh = not self.moved or _last_key(last) != self.baseline_last
