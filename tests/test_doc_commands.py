@@ -3,8 +3,8 @@ allows; the table below says how each is checked and must list exactly the comma
 
 - `run`: executed in-process through `weightsync`'s `main`, exit code as documented.
 - `checked`: a `weightsync demo`/`run` whose module's `run` is replaced by a recorder: the CLI
-  parses it and plans its topology (what fails a demo early), but no Ray cluster starts (the demo
-  itself runs in `make demo` and tests/test_demo_dump.py).
+  parses it and plans its topology (what fails a demo early), but no Ray cluster starts here;
+  tests/engines/test_doc_demos.py runs each of them as written.
 - `parse`: flags parse (needs a Ray cluster or a manifest the reader writes).
 - `make`: the Makefile has the target. `cluster`: kubectl/helm against a real cluster (run by the
   e2e tests); the repository files it names exist. `shell`: a shell assignment.
