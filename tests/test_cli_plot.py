@@ -52,6 +52,12 @@ def test_several_destinations_are_told_apart() -> None:
     assert labels == ["d0 r0 tp0", "d0 r0 tp1", "d1 r0 tp0", "d1 r1 tp0"]
 
 
+def test_context_parallel_source_ranks_are_told_apart() -> None:
+    inputs = cli.sync_inputs(args(src="tp=2,cp=2"))
+    labels = [cli.rank_label(c) for c in inputs.source.coords]
+    assert len(set(labels)) == len(labels) == 4 and "pp0 dp0 cp1 tp1" in labels, labels
+
+
 def test_plot_command_writes_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "m.png"
     assert (

@@ -297,9 +297,10 @@ def print_table(summary: dict[str, Any], model: str, plot: str | None) -> None:
 
 
 def rank_label(coord: RankCoord) -> str:
-    """Which rank this is, for a plot's axis: source pp/dp/tp block, destination replica/pp/tp."""
+    """Which rank this is, for a plot's axis: source pp/dp[/cp]/tp block, destination replica/pp/tp."""
     if coord.role is Role.SOURCE:
-        return f"pp{coord.pp_rank} dp{coord.dp_rank} tp{coord.tp_rank}"
+        cp = f" cp{coord.cp_rank}" if coord.cp_rank else ""  # CP ranks hold the same shards: tell them apart
+        return f"pp{coord.pp_rank} dp{coord.dp_rank}{cp} tp{coord.tp_rank}"
     deployment = coord.node.split("-")[0].removeprefix("destination")  # "" or the --dst index
     stage = f" pp{coord.pp_rank}" if coord.pp_rank else ""
     return f"{'d' + deployment + ' ' if deployment else ''}r{coord.replica}{stage} tp{coord.tp_rank}"
