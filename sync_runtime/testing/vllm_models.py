@@ -87,6 +87,73 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
     },
 }
+_SMALL = {
+    # The families proven only by tests/engines/test_vllm_families.py: hidden 128, 2 layers,
+    # head_dim 32 (the smallest vLLM's CPU attention takes), 4 experts, engines start in ~30 s.
+    **_COMMON,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rope_theta": 1000000.0,
+    "tie_word_embeddings": False,
+}
+CONFIGS |= {
+    # Biased dense MLP: vLLM's gate_up_proj.bias (column-parallel), down_proj.bias (whole per rank).
+    "llama_mlp_bias": {
+        **_SMALL,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "mlp_bias": True,
+        "rope_theta": 10000.0,
+    },
+    # Every layer MoE under block_sparse_moe (w1 gate, w3 up, w2 down); intermediate_size is Im.
+    "mixtral": {
+        **_SMALL,
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": None,
+    },
+    # q/k/v biases, qk norm, partial rotary, one dense layer then sigmoid-routed experts with a
+    # router bias and one shared expert.
+    "glm4_moe": {
+        **_SMALL,
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "partial_rotary_factor": 0.5,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 4,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5,
+        "num_nextn_predict_layers": 0,
+    },
+    # Sandwich norms, qk norm, tied embeddings scaled by sqrt(H), a 16-token sliding window on
+    # layer 0 (the prompts and their 16 generated tokens run past it) and a global layer 1.
+    "gemma3": {
+        **_SMALL,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 32,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "tie_word_embeddings": True,
+    },
+}
 PRESETS = {
     "vllm-tiny-qwen3": "qwen3",
     "vllm-tiny-qwen3-moe": "qwen3_moe",

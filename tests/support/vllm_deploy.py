@@ -102,13 +102,15 @@ def deploy(
     reference_calls: int = 1,
     version: str = "v1",
     silent_references: Mapping[str, EngineArgs] | None = None,
+    source_class: Any = None,
 ) -> Iterator[Deployment]:
     """Sources at v1 holding `model` (a CONFIGS key), dummy-weight engines, and reference engines
     loaded from the checkpoint of `version`; the references generate `reference_calls` times,
     report their kernel checksums and are stopped before the body runs (or, cached for their
     exact key, are not started at all). `silent_references` only
-    report their checksums (an engine vLLM cannot generate with on CPU). Everything is stopped
-    afterwards."""
+    report their checksums (an engine vLLM cannot generate with on CPU). `source_class(coord)`:
+    the sources' actor class (default: the demo's Megatron-layout DemoSource). Everything is
+    stopped afterwards."""
     config = CONFIGS[model]
     manifest = build_manifest(config)
     ref_dir = write_model(directory, config, manifest, seed=0, version=version)
@@ -118,7 +120,9 @@ def deploy(
     counts = {**dict.fromkeys(references, reference_calls), **dict.fromkeys(silent_references or {}, 0)}
     oracles = start_oracles(ref_dir, namespace, {**references, **(silent_references or {})}, counts)
     try:
-        create_participants(setup, src_version="v1", dst_version="-", skip=_destinations)
+        create_participants(
+            setup, src_version="v1", dst_version="-", skip=_destinations, source_class=source_class
+        )
         wait_ready(list(started.values()), timeout_s=800)
         out = finish_oracles(oracles, timeout_s=800)
         calls = [{k: out[k]["calls"][i] for k in references} for i in range(reference_calls)]
