@@ -10,7 +10,8 @@ export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
 .PHONY: demo test test-unit test-e2e test-engines test-vllm-compat test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-k8s bench-source bench-delta chart-crds k8s-bins
 
-# `--engine vllm` (real vLLM engines) runs in the engine environment, everything else in the venv.
+# `--engine vllm` and `--engine vllm-server` (real vLLM engines, servers) run in the engine environment
+# (the findstring below matches both), everything else in the venv.
 DEMO_ENV = $(if $(or $(findstring --engine vllm,$(ARGS)),$(findstring --engine=vllm,$(ARGS))),vllm_env,venv)
 demo:
 	@V=$$(bash tools/$(DEMO_ENV).sh); $$V/bin/weightsync demo $(ARGS)

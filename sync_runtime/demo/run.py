@@ -49,6 +49,7 @@ VLLM_SRC, VLLM_DST = "tp=2", "tp=1,replicas=2"
 DEFAULTS = {
     "synthetic": (DEFAULT_MODEL, "tp=2,pp=2,ep=2", "tp=2,ep=2,replicas=2"),
     "vllm": (DEFAULT_VLLM_MODEL, VLLM_SRC, VLLM_DST),
+    "vllm-server": (DEFAULT_VLLM_MODEL, VLLM_SRC, VLLM_DST),
 }
 """(model, src, dst) per --engine; real vLLM engines: tiny dense Qwen3, one core per engine."""
 MEGATRON_DEFAULTS = {"steps": 2, "lr": 1e-6, "delta": "auto"}
@@ -58,7 +59,7 @@ MEGATRON_DEFAULTS = {"steps": 2, "lr": 1e-6, "delta": "auto"}
 def model_config(engine: str, model: str) -> dict | None:
     """The config the demo will build `model` from, where it is not what `plan --model` reads: the
     vLLM demo's own presets (`vllm-tiny-qwen3`, ...). None: `model` is a preset or a path."""
-    return vllm_model_config(model) if engine == "vllm" and model in VLLM_PRESETS else None
+    return vllm_model_config(model) if engine.startswith("vllm") and model in VLLM_PRESETS else None
 
 
 # ---- the CLI -------------------------------------------------------------------------------
@@ -67,9 +68,10 @@ def model_config(engine: str, model: str) -> dict | None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine",
-        choices=("synthetic", "vllm"),
+        choices=("synthetic", "vllm", "vllm-server"),
         default="synthetic",
-        help="destinations: synthetic vLLM-layout actors (default) or real vLLM engines (engine env)",
+        help="destinations: synthetic vLLM-layout actors (default), real vLLM engines, or real "
+        "`vllm serve` servers updated while a client keeps sending requests (both: engine env)",
     )
     parser.add_argument(
         "--model",
@@ -152,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
         from sync_runtime.demo.vllm_run import run_vllm_demo
 
         return run_vllm_demo(args, console)
+    if args.engine == "vllm-server":
+        from sync_runtime.demo.vllm_server_run import run_vllm_server_demo
+
+        return run_vllm_server_demo(args, console)
     if args.source == "megatron-core":
         if args.ray_address or args.participants_only or args.train_step or args.verify_only:
             console.print("[red]--source megatron-core runs on an embedded cluster only[/]")

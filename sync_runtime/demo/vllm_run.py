@@ -169,7 +169,7 @@ def _deploy_and_check(
         if report.result is SyncResult.SUCCEEDED:
             for o, g in zip(outcomes, generations(replicas), strict=True):
                 o.after = g
-            _applied_checksums(setup, replicas, outcomes)
+            applied_checksums(setup, replicas, outcomes)
         return _conclude(setup, args, console, work, report, outcomes, ref, started)
     finally:
         stop_replicas([*replicas, reference])
@@ -187,7 +187,7 @@ def _sync(setup: DemoSetup, args: argparse.Namespace, console: Console, address:
         coordinator.close()
 
 
-def _applied_checksums(setup: DemoSetup, replicas: Sequence[Any], outcomes: Sequence[Outcome]) -> None:
+def applied_checksums(setup: DemoSetup, replicas: Sequence[Any], outcomes: Sequence[Outcome]) -> None:
     """Per rank: checksums of the bytes it applied vs those of its layout shard of the reference."""
     for h, o in zip(replicas, outcomes, strict=True):
         for i, meta in enumerate(ray.get(h.ws_meta.remote())):
@@ -218,9 +218,9 @@ def _conclude(
         console.print(ranks_table(report))
     verified = "yes" if ok else ("no" if synced else "no (sync failed)")
     console.print(summary_table([report], [verified]))
-    console.print(_generation_table(outcomes, ref))
+    console.print(generation_table(outcomes, ref))
     if args.dump is not None:
-        _dump(setup, work, report, outcomes, ref)
+        write_outcomes(setup, work, report, outcomes, ref)
         console.print(f"  dump written to {work}")
     console.print(
         f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAILED'}[/]: "
@@ -230,7 +230,7 @@ def _conclude(
     return 0 if ok else 1
 
 
-def _generation_table(outcomes: Sequence[Outcome], ref: Generation) -> Table:
+def generation_table(outcomes: Sequence[Outcome], ref: Generation) -> Table:
     n = len(ref)
     table = Table(
         title=f"greedy generation vs the reference engine ({n} prompts, {len(ref[0]['token_ids'])} tokens)"
@@ -261,12 +261,18 @@ def _generation_table(outcomes: Sequence[Outcome], ref: Generation) -> Table:
     return table
 
 
-def _dump(
-    setup: DemoSetup, work: Path, report: SyncReport, outcomes: Sequence[Outcome], ref: Generation
+def write_outcomes(
+    setup: DemoSetup,
+    work: Path,
+    report: SyncReport,
+    outcomes: Sequence[Outcome],
+    ref: Generation,
+    syncs: Sequence[SyncReport] = (),
 ) -> None:
-    """design §4.4 (minus the unreadable vLLM tensors: checksums instead) plus generation.json."""
+    """design §4.4 (minus the unreadable vLLM tensors: checksums instead) plus generation.json;
+    `syncs`: every sync of the run, for report.json (default: `report` alone)."""
     write_manifest(work, model_config=setup.config, src_layout="megatron", src=setup.src, dst=setup.dst)
-    write_report(work, report)
+    write_report(work, report, syncs)
     for o in outcomes:
         out = work / "destination" / f"replica-{o.replica}"
         out.mkdir(parents=True, exist_ok=True)

