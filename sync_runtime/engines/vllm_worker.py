@@ -33,8 +33,10 @@ from sync_runtime.engines.vllm_apply import (
     kernel_state,
     require_supported_vllm,
 )
+from sync_runtime.engines.vllm_delta import CommittedBase, widened
 from sync_runtime.errors import DestinationError, ParticipantError, StagingError, SyncStep, WeightSyncError
 from sync_runtime.runtime.participant import ParticipantMeta, WeightSyncParticipant
+from sync_runtime.transfer import RankResult, TransferConfig
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from sync_runtime.transfer.staging import StagingProgress, combine_checksums
 
@@ -53,7 +55,8 @@ class VllmStaging(StagingProgress):
     staged in fp32, so an fp32 source's bytes arrive exactly and a bf16 one's are widened once, on
     receipt); `commit` validates them all, then applies them in one pass; `abort` drops them and
     leaves the engine as it was. `checksums` are those of the bytes last committed, in the staged
-    (live) dtype: what the rank holds.
+    (live) dtype: what the rank holds. With `keep_base` a commit keeps its staged buffers as the
+    base of the next sync's deltas (`delta_base`, vllm_delta.py) instead of freeing them.
     """
 
     def __init__(self, expected: Mapping[str, EngineTensor], apply: Applier, version: str = "") -> None:
@@ -70,6 +73,20 @@ class VllmStaging(StagingProgress):
         self._staged: dict[str, torch.Tensor] | None = None
         self._pending_version: str | None = None
         self._lock = threading.Lock()
+        self.keep_base = False
+        """Set per sync from TransferConfig.keep_sent (delta auto on gloo)."""
+        self._base = CommittedBase()
+        self._widened = widened(self._meta, self._staging_dtype)
+
+    @property
+    def delta_base(self) -> MappingProxyType[str, torch.Tensor]:
+        """The bytes of the committed version a delta rebuilds from (transfer/delta_wire.py)."""
+        return self._base.tensors
+
+    @property
+    def holds_base(self) -> bool:
+        """This rank can take deltas against its committed version (`ParticipantMeta.live_base`)."""
+        return not self._widened and not self.poisoned and self._base.holds(self.version)
 
     @property
     def tensors(self) -> MappingProxyType[str, torch.Tensor]:
@@ -89,6 +106,8 @@ class VllmStaging(StagingProgress):
 
     def begin(self, version: str) -> None:
         with self._lock:
+            if not self.keep_base:
+                self._base.drop()  # delta off (or NCCL): the copy is freed before staging grows
             self._staged = {}
             self._pending_version = version
 
@@ -127,9 +146,14 @@ class VllmStaging(StagingProgress):
             except Exception:
                 # The model is half re-materialised: it serves neither version now.
                 self.poisoned = True
+                self._base.drop()
                 raise
             self.version, self.poisoned = self._pending_version, False
             self._committed_sums = sums
+            if self.keep_base:  # the apply only read them: they are the committed bytes
+                self._base.keep(self._staged, self.version)
+            else:
+                self._base.drop()
             self._staged, self._pending_version = None, None
             return self.version
 
@@ -168,7 +192,18 @@ class VllmRankParticipant(WeightSyncParticipant):
             group_name=st.group_key[0] if st.group_key else None,
             group_healthy=st.group is not None and bool(st.group.healthy),
             model_config=None,
+            live_base=isinstance(st.destination, VllmStaging) and st.destination.holds_base,
         )
+
+    def ws_run(
+        self, plan: Any, digest: str, version: str, config: TransferConfig, txn: str | None = None
+    ) -> RankResult:
+        """The participant's run; the staging keeps its commit as the next delta base only
+        while the syncs may send deltas (delta auto, gloo)."""
+        staging = self._ws_state().destination
+        if isinstance(staging, VllmStaging):
+            staging.keep_base = config.keep_sent
+        return super().ws_run(plan, digest, version, config, txn)
 
     def ws_kernel_checksums(self) -> dict[str, str]:
         """Checksums of everything the kernels read (`kernel_state`): after a sync they must equal

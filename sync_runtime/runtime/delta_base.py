@@ -7,8 +7,9 @@ a kept copy of that very version (`ParticipantMeta.kept_version`): that version 
 Every other replica takes the same sync in full. Also in full: spec.transport.delta=off, the
 NCCL backend (its receives need the exact message size), a relayed plan (a relay forwards what
 it staged and keeps no base), `inplace` staging (staging is the live base itself), a rank
-that casts on receipt (its live bytes are not the wire's) and a rank whose live tensors are not
-readable bytes (`ParticipantMeta.live_base`: the vLLM worker's Staging holds none).
+that casts on receipt (its live bytes are not the wire's) and a rank that holds no readable base
+(`ParticipantMeta.live_base`: a vLLM rank without a kept copy of its committed version, e.g.
+after a restart; engines/vllm_delta.py).
 
 The base is a fact the receivers check, not a hope: each rebuilt region is verified against the
 checksum of the source's full new region before the commit. A replica whose live bytes differ

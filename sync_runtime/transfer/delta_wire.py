@@ -191,5 +191,7 @@ def kept_after(
 
 def delta_io(base: tuple[tuple[int, str], ...], kept: KeptBits | None, destination: object) -> DeltaIO | None:
     """A rank's DeltaIO for a sync with these delta bases (None: a full sync)."""
-    live = getattr(destination, "tensors", None)
+    live = getattr(destination, "delta_base", None)  # an engine's own copy (vLLM: tensors are metadata)
+    if live is None:
+        live = getattr(destination, "tensors", None)
     return DeltaIO(dict(base), kept, live) if base else None
