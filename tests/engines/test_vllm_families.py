@@ -1,5 +1,5 @@
-"""Real vLLM destinations, one per family that has no other engine test: Llama with `mlp_bias`
-and Mixtral, each a tiny seeded config (CONFIGS), TP 2.
+"""Real vLLM destinations, one per family that has no other engine test: Llama with `mlp_bias`,
+Mixtral, GLM-4.5 (`glm4_moe`) and Gemma 3 text, each a tiny seeded config (CONFIGS), TP 2.
 
 Per family, one module-scoped deployment: the demo's sources at v1 (Megatron layout; Gemma 3,
 which no Megatron-Core layer spec holds, from HF-layout FSDP-style ranks), one vLLM engine
@@ -52,6 +52,13 @@ class Family:
 FAMILIES = {
     "llama_mlp_bias": Family("tp=2"),
     "mixtral": Family("tp=2,ep=2"),  # experts whole per EP rank on the source, cut by TP in vLLM
+    # vLLM's Glm4MoE holds the router weight in fp32 (the checkpoint's bf16 wire is cast on
+    # receipt) and reports the fp32 router bias in the model dtype, as for DeepSeek-V3.
+    "glm4_moe": Family(
+        "tp=2",
+        engine_dtypes=(("mlp.gate.weight", "float32"), ("mlp.gate.e_score_correction_bias", "bfloat16")),
+    ),
+    "gemma3": Family("tp=2", "hf"),
 }
 
 
