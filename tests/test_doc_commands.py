@@ -29,6 +29,8 @@ HOW: dict[str, tuple[str, int]] = {
     "make demo": ("make", 0),
     "make test": ("make", 0),
     "make bench-k8s": ("make", 0),
+    # run as written (through the CLI) by tests/engines/test_vllm_server_demo.py
+    'make demo ARGS="--engine vllm-server --dump /tmp/ws-serve"': ("make", 0),
     "V=$(bash tools/venv.sh)": ("shell", 0),
     "V=$(bash tools/venv.sh); PYTHONPATH=. $V/bin/python examples/rl_loop.py --steps 3": ("shell", 0),
     "VE=$(bash tools/vllm_env.sh); $VE/bin/python examples/megatron_to_vllm.py": ("shell", 0),
