@@ -5,7 +5,7 @@ allows; the table below says how each is checked and must list exactly the comma
 - `checked`: a `weightsync demo`/`run` whose module's `run` is replaced by a recorder: the CLI
   parses it and plans its topology (what fails a demo early), but no Ray cluster starts here;
   tests/engines/test_doc_demos.py runs each of them as written.
-- `parse`: flags parse (needs a Ray cluster or a manifest the reader writes).
+- `parse`: flags parse (`run --config` needs a Ray cluster and the manifest the reader writes).
 - `make`: the Makefile has the target. `cluster`: kubectl/helm against a real cluster (run by the
   e2e tests); the repository files it names exist. `shell`: a shell assignment.
 """
@@ -40,7 +40,7 @@ HOW: dict[str, tuple[str, int]] = {
     '$V/bin/weightsync demo --source megatron-core --model tiny-qwen3 --src tp=2 --dst "tp=1,replicas=2" '
     "--steps 3 --lr 1e-6 --delta auto --dump /tmp/ws-megatron": ("checked", 0),
     '$V/bin/weightsync plan --model kimi-k2 --src "tp=8,pp=8,dp=4,ep=32,layers=8+8+8+8+8+7+7+7" '
-    '--dst "tp=16,ep=16,replicas=8" --json': ("parse", 0),
+    '--dst "tp=16,ep=16,replicas=8" --json': ("run", 0),
     '$V/bin/weightsync plan --model tiny-qwen3-moe --src "tp=2,pp=2,ep=2" --dst "tp=2,ep=2,replicas=2" '
     "--plot /tmp/plan.png": ("run", 0),
     '$V/bin/weightsync simulate --model tiny-qwen3-moe --src "tp=2,pp=2" --dst "tp=2,replicas=2"': ("run", 0),
