@@ -241,3 +241,25 @@ def _wait_gone(namespace: str, name: str, timeout_s: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"{name} still listed {timeout_s}s after ray.kill")
+
+
+def test_a_dense_models_expert_coordinates_are_neither_compared_nor_kept():
+    """Megatron's default expert_tensor_parallel_size is TP, for a dense model too (etp_rank=1
+    at TP rank 1): that places nothing there. Control: the same coordinate on a MoE model is
+    refused (test_wrong_role_layout_and_expert_rank_named)."""
+    dense = build_manifest(load_model_config("tiny-qwen3"))
+    spec = ParallelSpec(tp=2)
+    ps = []
+    for i, c in enumerate(enumerate_ranks(spec, Role.SOURCE)):
+        meta = ParticipantMeta(
+            role=Role.SOURCE, coord=dataclasses.replace(c, etp_rank=c.tp_rank), layout="megatron",
+            tensors=get_layout("megatron").shard(dense, spec, c).tensors, node_ip="10.0.0.1", device="cpu",
+            pid=100 + i, actor_name=f"p-{i}", actor_id=f"id{i}", version="v0", group_name=None,
+            group_healthy=False,
+        )  # fmt: skip
+        ps.append(Participant(handle=None, name=f"p-{i}", namespace="ns", meta=meta))
+    side = check_side(_ref("megatron", tp=2), Role.SOURCE, ps, dense)
+    assert [p.meta.coord.etp_rank for p in side.participants] == [0, 0]
+    moe = _participants("megatron", SRC, Role.SOURCE)
+    moe[1] = _with_meta(moe[1], coord=dataclasses.replace(moe[1].meta.coord, etp_rank=1))
+    assert "etp_rank=1, expected 0" in _refused(_ref("megatron", tp=2, pp=2, ep=2), Role.SOURCE, moe)

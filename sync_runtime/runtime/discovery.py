@@ -29,6 +29,7 @@ import ray
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.manifest import Manifest, cast_defined
 from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models.config import model_dims
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError, describe_unexpected
 from sync_runtime.planner import SideSpec
@@ -189,6 +190,11 @@ def check_side(
             problems.append(f"unexpected rank {rank_label(p.meta.coord)} (actor {p.name})")
     casts: dict[tuple, tuple[tuple[str, str], ...]] = {}
     wire = {t.name: t.dtype for t in manifest.tensors}
+    # Megatron makes expert_tensor_parallel_size = TP unless told otherwise, for a dense model
+    # too: there its expert coordinates place nothing, so they are neither compared nor kept.
+    dense = model_dims(manifest.config).num_experts == 0  # validate() above parsed this config
+    if dense:
+        by_key = {k: _declared_expert_coords(p, expected[k]) for k, p in by_key.items() if k in expected}
     for key, want in expected.items():
         # Shapes are only meaningful for a rank that sits where it should, under the right layout.
         if key in by_key and by_key[key].meta.layout == ref.layout:
@@ -198,6 +204,13 @@ def check_side(
         raise TopologyMismatchError(_format(ref, spec, problems))
     ordered = tuple(dataclasses.replace(by_key[key], wire_dtypes=casts.get(key, ())) for key in expected)
     return DiscoveredSide(ref=ref, role=role, spec=spec, participants=ordered)
+
+
+def _declared_expert_coords(p: Participant, want: RankCoord) -> Participant:
+    coord = dataclasses.replace(
+        p.meta.coord, ep_rank=want.ep_rank, etp_rank=want.etp_rank, edp_rank=want.edp_rank
+    )
+    return dataclasses.replace(p, meta=dataclasses.replace(p.meta, coord=coord))
 
 
 def _identity_problems(ref: DeploymentRef, role: Role, participants: Sequence[Participant]) -> list[str]:
