@@ -47,16 +47,18 @@ class MegatronTrainer(MegatronSourceParticipant):
         vocab_size: int | None = None,
         extra_parameter: str | None = None,
         init_std: float = 0.02,
+        default_etp: bool = False,
     ) -> dict[str, Any]:
         """(Re)build the model and register it; returns the reported coordinate and layout.
 
         `vocab_size` / `extra_parameter` make deliberately bad setups (tests): an unpadded
-        vocabulary, or a parameter registered under a name no layout rule knows."""
+        vocabulary, or a parameter registered under a name no layout rule knows. `default_etp`:
+        Megatron's own expert TP size instead of the spec's (a trainer that does not set it)."""
         from sync_runtime.testing.megatron_models import build_chunks, init_parallel, megatron_config
 
         parsed = ParallelSpec.parse(spec)
-        init_parallel(parsed, seed)
-        tconfig = megatron_config(hf_config, parsed, getattr(torch, dtype), init_std)
+        init_parallel(parsed, seed, default_etp=default_etp)
+        tconfig = megatron_config(hf_config, parsed, getattr(torch, dtype), init_std, default_etp=default_etp)
         self.chunks = build_chunks(hf_config, tconfig, vocab_size=vocab_size)
         if extra_parameter:
             module_path, _, leaf = extra_parameter.rpartition(".")

@@ -22,8 +22,9 @@ from sync_runtime.engines import megatron_cpu
 from sync_runtime.errors import TopologyError
 
 
-def init_parallel(spec: ParallelSpec, seed: int) -> None:
-    """Megatron's parallel state over the already initialised default (gloo) group, seeded."""
+def init_parallel(spec: ParallelSpec, seed: int, *, default_etp: bool = False) -> None:
+    """Megatron's parallel state over the already initialised default (gloo) group, seeded.
+    `default_etp`: Megatron's own expert TP size (= TP), as a trainer that does not set it has."""
     megatron_cpu.install()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -35,7 +36,7 @@ def init_parallel(spec: ParallelSpec, seed: int) -> None:
         pipeline_model_parallel_size=spec.pp,
         virtual_pipeline_model_parallel_size=spec.vpp if spec.vpp > 1 else None,
         expert_model_parallel_size=spec.ep,
-        expert_tensor_parallel_size=spec.etp,
+        expert_tensor_parallel_size=None if default_etp else spec.etp,
     )
     # The inference RNG tracker avoids torch.cuda RNG state calls (CPU).
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
@@ -79,7 +80,12 @@ def stage_sizes(spec: ParallelSpec) -> dict[str, int]:
 
 
 def megatron_config(
-    config: Mapping[str, Any], spec: ParallelSpec, dtype: torch.dtype = torch.float32, init_std: float = 0.02
+    config: Mapping[str, Any],
+    spec: ParallelSpec,
+    dtype: torch.dtype = torch.float32,
+    init_std: float = 0.02,
+    *,
+    default_etp: bool = False,
 ) -> Any:
     """The TransformerConfig (MLATransformerConfig for deepseek_v3) of an HF config."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
@@ -107,7 +113,7 @@ def megatron_config(
         "virtual_pipeline_model_parallel_size": spec.vpp if spec.vpp > 1 else None,
         **stage_sizes(spec),
         "expert_model_parallel_size": spec.ep,
-        "expert_tensor_parallel_size": spec.etp,
+        "expert_tensor_parallel_size": None if default_etp else spec.etp,
         "init_method_std": init_std,
         "params_dtype": dtype,
         "bf16": dtype == torch.bfloat16,

@@ -8,11 +8,14 @@ Megatron's own split attributes (`engines.megatron_convert`), not by the layout 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import ray
 import torch
 
 from sync_runtime.core.models import TENSOR_DTYPES_KEY, load_model_config
+from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.errors import LayoutError
 from sync_runtime.schema.report import SyncResult
 from sync_runtime.testing.megatron_deploy import MegatronDeployment
@@ -59,6 +62,18 @@ def test_dense_tp2_pp2_sync_step_and_scrambled_control(dep: MegatronDeployment, 
     assert dep.sync("v3", ray_address).result is SyncResult.SUCCEEDED
     problems = dep.verify(after, "v3")
     assert problems and all("differ from the reference" in p for p in problems), problems
+
+
+def test_dense_trainer_at_megatrons_default_expert_tp_syncs(
+    dep: MegatronDeployment, ray_address: str
+) -> None:
+    """A trainer that leaves expert_tensor_parallel_size to Megatron gets etp = TP, dense model or
+    not; the WeightSync declares the TP and DP it knows, no expert sizes (etp 1)."""
+    built = dep.build(load_model_config("tiny-llama"), "tp=2,dp=2", dst="tp=1", default_etp=True)
+    assert sorted(b["coord"].etp_rank for b in built) == [0, 0, 1, 1]  # Megatron's own coordinates
+    dep.setup = dataclasses.replace(dep.setup, src=ParallelSpec.parse("tp=2,dp=2"))  # what the user declares
+    assert dep.setup.src.etp == 1
+    _sync_and_verify(dep, ray_address, "v1")
 
 
 def test_vpp_chunks_carry_our_chunk_prefix(dep: MegatronDeployment, ray_address: str) -> None:
