@@ -8,7 +8,7 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test test-unit test-e2e test-engines test-vllm-compat test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-k8s bench-source bench-delta chart-crds k8s-bins
+.PHONY: demo test test-unit test-e2e test-engines test-vllm-compat test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-vllm-server bench-k8s bench-source bench-delta chart-crds k8s-bins
 
 # `--engine vllm` and `--engine vllm-server` (real vLLM engines, servers) run in the engine environment
 # (the findstring below matches both), everything else in the venv.
@@ -103,6 +103,11 @@ bench-transfer:
 # A sync into a real vLLM engine (TP 2) vs vLLM's own load of the same checkpoint (engine env).
 bench-vllm:
 	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/python bench/vllm_bench.py $(ARGS)
+
+# A real `vllm serve` replica synced while it serves: req/s during syncs vs idle, pause vs
+# transfer seconds, warm sync vs vLLM's own in-place reload of the checkpoint (engine env).
+bench-vllm-server:
+	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/python bench/vllm_server_bench.py $(ARGS)
 
 # The trainer's push through Kubernetes: patch -> Synced minus the runtime's sync (e2e setup).
 bench-k8s: k8s-bins
