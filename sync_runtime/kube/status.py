@@ -97,7 +97,7 @@ def report_json(report: SyncReport) -> dict[str, Any]:
                 r.model_copy(update={"rank_versions": []}) if r.state is ReplicaState.SERVING else r
                 for r in listed
             ],
-            "replica_summary": ReplicaSummary.of(report.replicas, len(listed)) if report.replicas else None,
+            "replica_summary": ReplicaSummary.of(report.replicas) if report.replicas else None,
         }
     )
     data = compact.model_dump(by_alias=True, mode="json")

@@ -111,17 +111,14 @@ class ReplicaSummary(WireModel):
 
     count: int = 0
     serving: int = 0
-    listed: int = 0
-    """How many replicas `replicas` still lists: out of serving first, then serving ones."""
     max_pause_seconds: float | None = None
 
     @classmethod
-    def of(cls, replicas: list[ReplicaVersion], listed: int) -> ReplicaSummary:
+    def of(cls, replicas: list[ReplicaVersion]) -> ReplicaSummary:
         pauses = [r.pause_seconds for r in replicas if r.pause_seconds is not None]
         return cls(
             count=len(replicas),
             serving=sum(r.state is ReplicaState.SERVING for r in replicas),
-            listed=listed,
             max_pause_seconds=max(pauses) if pauses else None,
         )
 
