@@ -102,6 +102,28 @@ def refusal(args: argparse.Namespace, config: dict[str, Any], dst: ParallelSpec)
     return None
 
 
+def reference_setup(
+    args: argparse.Namespace, config: dict[str, Any], dst: ParallelSpec, work: Path
+) -> tuple[Path, DemoSetup]:
+    """The oracle's model directory and the demo's sides (both vLLM demos).
+
+    The checkpoint comes first: `reference.safetensors` holds the weights of the version the syncs
+    must reach, written before any engine starts, and vLLM's own loader reads it for the oracle.
+    """
+    model_dir = Path(model_dir_for(work / "reference-model", config, work / "reference.safetensors"))
+    setup = DemoSetup.create(
+        str(model_dir / "config.json"),
+        args.src,
+        dst,
+        seed=args.seed,
+        namespace=args.namespace,
+        src_prefix=args.src_prefix,
+        dst_prefix=args.dst_prefix,
+    )
+    write_reference(work, reference_weights(setup.manifest, setup.seed, VERSION))
+    return model_dir, setup
+
+
 def run_vllm_demo(args: argparse.Namespace, console: Console) -> int:
     config = vllm_model_config(args.model)
     dst = ParallelSpec.parse(args.dst)
@@ -113,18 +135,7 @@ def run_vllm_demo(args: argparse.Namespace, console: Console) -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
-        # The oracle's checkpoint first: reference.safetensors, read by vLLM's own loader.
-        model_dir = Path(model_dir_for(work / "reference-model", config, work / "reference.safetensors"))
-        setup = DemoSetup.create(
-            str(model_dir / "config.json"),
-            args.src,
-            dst,
-            seed=args.seed,
-            namespace=args.namespace,
-            src_prefix=args.src_prefix,
-            dst_prefix=args.dst_prefix,
-        )
-        write_reference(work, reference_weights(setup.manifest, setup.seed, VERSION))
+        _, setup = reference_setup(args, config, dst, work)
         address = start_local_ray(namespace=setup.namespace)
         return _deploy_and_check(setup, args, console, work, address, started)
     finally:

@@ -43,8 +43,14 @@ from rich.console import Console
 
 from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.demo.console import ConsoleReporter, human_bytes, ranks_table, summary_table
-from sync_runtime.demo.dump import write_reference
-from sync_runtime.demo.vllm_run import VERSION, Outcome, applied_checksums, generation_table, write_outcomes
+from sync_runtime.demo.vllm_run import (
+    VERSION,
+    Outcome,
+    applied_checksums,
+    generation_table,
+    reference_setup,
+    write_outcomes,
+)
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.coordinator import Coordinator
@@ -59,9 +65,8 @@ from sync_runtime.testing.cluster import (
     weightsync_spec,
 )
 from sync_runtime.testing.vllm_deploy import Generation, token_rows_equal
-from sync_runtime.testing.vllm_models import PROMPTS, model_dir_for, vllm_model_config
+from sync_runtime.testing.vllm_models import PROMPTS, vllm_model_config
 from sync_runtime.testing.vllm_server import Client, Server, completions, generate, launch, stop
-from sync_runtime.testing.weights import reference_weights
 
 FIRST = "v0"
 """The first sync's version; the second is VERSION (v1), the reference checkpoint's."""
@@ -147,18 +152,7 @@ def run_vllm_server_demo(args: argparse.Namespace, console: Console) -> int:
     started, fleet = time.monotonic(), Fleet()
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        # The oracle's checkpoint first: reference.safetensors, read by vLLM's own loader.
-        model_dir = model_dir_for(work / "reference-model", config, work / "reference.safetensors")
-        setup = DemoSetup.create(
-            str(Path(model_dir) / "config.json"),
-            args.src,
-            dst,
-            seed=args.seed,
-            namespace=args.namespace,
-            src_prefix=args.src_prefix,
-            dst_prefix=args.dst_prefix,
-        )
-        write_reference(work, reference_weights(setup.manifest, setup.seed, VERSION))
+        model_dir, setup = reference_setup(args, config, dst, work)
         address = start_local_ray(namespace=setup.namespace)
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
         fleet.launch(model_dir, work / "server-logs", dst)
