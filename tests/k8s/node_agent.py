@@ -23,8 +23,13 @@ chart's pods mount an emptyDir on ``/tmp``, which would hide a checkout under ``
 Status is reported like a kubelet: phase, conditions, container states, exit codes,
 termination messages (``terminationMessagePath``, or the log tail for
 ``FallbackToLogsOnError``), restart counts, podIP 127.0.0.1; ``restartPolicy`` is honoured with
-a short backoff. When a pod gets a deletionTimestamp its process groups get SIGTERM, then SIGKILL
-after ``terminationGracePeriodSeconds`` (capped at 3 s), and the pod is deleted with grace 0.
+a short backoff. A container with a ``readinessProbe`` (``httpGet`` or ``tcpSocket``, on
+127.0.0.1) is Ready only once the probe passes (``initialDelaySeconds``, ``periodSeconds``
+capped at 2 s, ``timeoutSeconds``, ``failureThreshold``): a pod whose server is still starting
+stays out of the Ready pods a selector finds. Other probe kinds (``exec``, ``grpc``) and
+liveness/startup probes are not run: such a container is Ready while it runs. When a pod gets a
+deletionTimestamp its process groups get SIGTERM, then SIGKILL after
+``terminationGracePeriodSeconds`` (capped at 3 s), and the pod is deleted with grace 0.
 Logs go to ``<pod dir>/logs/<container>.log``; see ``pod_logs()``.
 
     python tests/k8s/node_agent.py --kubeconfig K --node-name N --path-prefix DIR --workdir W
@@ -42,9 +47,13 @@ import re
 import shlex
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +111,7 @@ class PodRunner(threading.Thread):
         self.deleting = threading.Event()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.statuses: dict[str, Obj] = {}
+        self.probes: dict[str, Probe] = {}
         self.init_statuses: dict[str, Obj] = {}
         self.phase, self.initialized, self.start_time = "Pending", False, now()
 
@@ -166,6 +176,7 @@ class PodRunner(threading.Thread):
                     self.statuses[n]["restartCount"] += 1
                     self.statuses[n]["lastState"] = last
                     changed = True
+            changed = self._probe() or changed
             waiting = any("waiting" in self.statuses[c["name"]]["state"] for c in ctrs)
             if not self.procs and not restart_at and not waiting:
                 codes = [s["state"]["terminated"]["exitCode"] for s in self.statuses.values()]
@@ -418,12 +429,28 @@ class PodRunner(threading.Thread):
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        probe = c.get("readinessProbe")
+        if probe is not None and ("httpGet" in probe or "tcpSocket" in probe):
+            self.probes[n] = Probe(probe, c.get("ports", []))
         st.update(
             state={"running": {"startedAt": now()}},
-            ready=True,
+            ready=n not in self.probes,
             started=True,
             containerID=f"local://{self.procs[n].pid}",
         )
+
+    def _probe(self) -> bool:
+        """Run the readiness probes that are due; True when a container's readiness changed."""
+        changed = False
+        for n, probe in list(self.probes.items()):
+            st = self.statuses[n]
+            if n not in self.procs:  # exited: _finish made it unready; a restart makes a new probe
+                del self.probes[n]
+                continue
+            ready = probe.due_result(st["ready"])
+            if ready is not None and ready != st["ready"]:
+                st["ready"], changed = ready, True
+        return changed
 
     def _finish(self, c: Obj, proc: subprocess.Popen[bytes]) -> int:
         n, code = c["name"], proc.returncode
@@ -498,7 +525,7 @@ class PodRunner(threading.Thread):
         spec = self.pod["spec"]
         ctrs = [self.statuses[c["name"]] for c in spec["containers"] if c["name"] in self.statuses]
         ready = self.phase == "Running" or (self.phase == "Pending" and self.initialized)
-        ready = ready and bool(ctrs) and all("running" in s["state"] for s in ctrs)
+        ready = ready and bool(ctrs) and all("running" in s["state"] and s["ready"] for s in ctrs)
         if self.initialized and self.phase == "Pending":
             self.phase = "Running"
         t = now()
@@ -534,6 +561,58 @@ class PodRunner(threading.Thread):
         except ApiException as e:
             if e.status not in (404, 409):
                 raise
+
+
+class Probe:
+    """A container's readinessProbe (httpGet or tcpSocket) against the pod IP, 127.0.0.1."""
+
+    PERIOD_CAP_S = 2.0
+    """Like the capped grace period: a test waits at most this long past the moment a server answers."""
+
+    def __init__(self, spec: Obj, ports: list[Obj]) -> None:
+        self.spec = spec
+        target = spec.get("httpGet") or spec["tcpSocket"]
+        port = target["port"]
+        if isinstance(port, str) and not port.isdigit():  # a named containerPort (None: none such)
+            port = next((p["containerPort"] for p in ports if p.get("name") == port), None)
+        self.port = None if port is None else int(port)
+        self.period = min(float(spec.get("periodSeconds", 10)), self.PERIOD_CAP_S)
+        self.timeout = float(spec.get("timeoutSeconds", 1))
+        self.failure_threshold = int(spec.get("failureThreshold", 3))
+        self.next = time.monotonic() + float(spec.get("initialDelaySeconds", 0))
+        self.failures = 0
+
+    def due_result(self, ready: bool) -> bool | None:
+        """The readiness after a probe that is due now (None when none is due): Ready on one
+        success, unready after failureThreshold failures in a row."""
+        if time.monotonic() < self.next:
+            return None
+        ok = self._check()
+        self.next = time.monotonic() + self.period
+        self.failures = 0 if ok else self.failures + 1
+        return True if ok else (ready and self.failures < self.failure_threshold)
+
+    def _check(self) -> bool:
+        if self.port is None:  # a kubelet reports the probe as failing, too
+            return False
+        if "tcpSocket" in self.spec:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout):
+                    return True
+            except OSError:
+                return False
+        get = self.spec["httpGet"]
+        scheme = str(get.get("scheme", "HTTP")).lower()
+        url = f"{scheme}://127.0.0.1:{self.port}{get.get('path', '/')}"
+        headers = {h["name"]: h["value"] for h in get.get("httpHeaders", [])}
+        request = urllib.request.Request(url, headers=headers)
+        # HTTPS without verification, as a kubelet probes
+        tls = ssl._create_unverified_context() if scheme == "https" else None
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout, context=tls) as r:
+                return 200 <= int(r.status) < 400
+        except (urllib.error.URLError, OSError, ValueError):  # HTTPError (4xx/5xx) is a URLError
+            return False
 
 
 def _expand(s: str, env: dict[str, str]) -> str:
