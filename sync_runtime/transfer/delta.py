@@ -17,7 +17,8 @@ its size (`max_message_bytes`) to post its receive:
   changed as varint gaps, then their new values whole).
 Position codecs, the smallest one wins: gaps between consecutive positions as LEB128 varints
 (few changes), a bitmap of one bit per element (many changes), or either one through zlib when
-that is smaller still (clustered changes compress well).
+that is smaller still (clustered changes compress well; a stream over 64 KiB is tried only when its
+first 64 KiB shrink by half).
 """
 
 from __future__ import annotations
@@ -72,19 +73,32 @@ def _as_uint(data: np.ndarray, itemsize: int) -> np.ndarray:
     return data.view(_UINT[itemsize])
 
 
-def encode_varints(values: np.ndarray) -> np.ndarray:
-    """Unsigned integers as LEB128 varints (7 bits a byte, high bit set on all but the last)."""
+_VARINT_LIMITS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)
+"""A value below 2^7k fits k varint bytes (integer thresholds: exact where a float log2 is not)."""
+
+
+def varint_lengths(values: np.ndarray) -> np.ndarray:
+    """How many LEB128 bytes each unsigned integer takes (one pass, not one per threshold)."""
+    return 1 + np.searchsorted(_VARINT_LIMITS, values.astype(np.uint64, copy=False), side="right")
+
+
+def encode_varints(values: np.ndarray, lengths: np.ndarray | None = None) -> np.ndarray:
+    """Unsigned integers as LEB128 varints (7 bits a byte, high bit set on all but the last).
+    `lengths`: varint_lengths(values), when the caller has them already."""
     v = values.astype(np.uint64, copy=False)
     if v.size == 0:
         return np.empty(0, dtype=np.uint8)
-    lengths = np.ones(v.size, dtype=np.int64)
-    for k in range(1, 10):  # integer thresholds 2^7k: exact where a float log2 is not
-        lengths += v >= np.uint64(1 << (7 * k))
+    if lengths is None:
+        lengths = varint_lengths(v)
+    longest = int(lengths.max())
+    if longest == 1:  # every value below 128: the varints are the values' low bytes
+        return v.astype(np.uint8)
     ends = np.cumsum(lengths)
     out = np.empty(int(ends[-1]), dtype=np.uint8)
     starts = ends - lengths
-    for k in range(int(lengths.max())):
-        sel = lengths > k
+    out[starts] = ((v & np.uint64(0x7F)) | ((lengths > 1).astype(np.uint64) << np.uint64(7))).astype(np.uint8)
+    for k in range(1, longest):
+        sel = np.flatnonzero(lengths > k)
         byte = (v[sel] >> np.uint64(7 * k)) & np.uint64(0x7F)
         more = (lengths[sel] > k + 1).astype(np.uint64) << np.uint64(7)
         out[starts[sel] + k] = (byte | more).astype(np.uint8)
@@ -112,20 +126,34 @@ def decode_varints(data: np.ndarray, count: int) -> np.ndarray:
     return out
 
 
-def _position_candidates(positions: np.ndarray, elements: int) -> list[tuple[int, bytes]]:
+ZLIB_MIN_BYTES = 4096
+"""zlib only pays for sizable position streams; level 1 keeps it cheap."""
+ZLIB_PROBE_BYTES = 64 * 1024
+"""A longer stream is compressed whole only when its first this many bytes shrink by half: the
+gaps of scattered changes shrink by about a sixth, which saves less wire time than zlib costs on
+any link faster than a few MB/s; clustered changes shrink many times over."""
+
+
+def _positions_codec(positions: np.ndarray, elements: int) -> tuple[int, bytes]:
+    """The smallest position stream: varint gaps or a bitmap (sized before either is built, and
+    only the smaller one built), through zlib when that is smaller still."""
     gaps = np.diff(positions, prepend=-1).astype(np.uint64) - np.uint64(1)  # first gap: from -1
-    varint = encode_varints(gaps).tobytes()
-    mask = np.zeros(elements, dtype=bool)
-    mask[positions] = True
-    bitmap = np.packbits(mask, bitorder="little").tobytes()
-    plain = [(VARINT, varint), (BITMAP, bitmap)]
-    best = min(plain, key=lambda c: len(c[1]))
-    # zlib only pays for sizable, structured position streams; level 1 keeps it cheap.
-    if len(best[1]) >= 4096:
-        packed = zlib.compress(best[1], 1)
-        if len(packed) < len(best[1]):
-            return [(ZLIB_VARINT if best[0] == VARINT else ZLIB_BITMAP, packed)]
-    return [best]
+    lengths = varint_lengths(gaps)
+    if int(lengths.sum()) <= (elements + 7) // 8:
+        codec, raw = VARINT, encode_varints(gaps, lengths).tobytes()
+    else:
+        mask = np.zeros(elements, dtype=bool)
+        mask[positions] = True
+        codec, raw = BITMAP, np.packbits(mask, bitorder="little").tobytes()
+    if len(raw) < ZLIB_MIN_BYTES:
+        return codec, raw
+    probe = raw[:ZLIB_PROBE_BYTES]
+    if len(raw) > len(probe) and len(zlib.compress(probe, 1)) > 0.5 * len(probe):
+        return codec, raw
+    packed = zlib.compress(raw, 1)
+    if len(packed) < len(raw):
+        return (ZLIB_VARINT if codec == VARINT else ZLIB_BITMAP), packed
+    return codec, raw
 
 
 def _value_candidates(
@@ -155,7 +183,7 @@ def encode(base: np.ndarray, new: np.ndarray, itemsize: int) -> Encoded:
     positions = np.flatnonzero(b != n)
     elements, changed = n.size, positions.size
     if changed and changed * itemsize < new.size:
-        ((codec, pos),) = _position_candidates(positions, elements)
+        codec, pos = _positions_codec(positions, elements)
         vcodec, values = _value_candidates(b, n, positions, itemsize)
         pad = -len(pos) % itemsize
         total = HEADER_BYTES + len(pos) + pad + len(values)
