@@ -42,13 +42,14 @@ from sync_runtime.transfer.delta_wire import DeltaIO, KeptBits, account, agreed,
 from sync_runtime.transfer.dtypes import WireDtypes
 from sync_runtime.transfer.fence import check_fence, fingerprint
 from sync_runtime.transfer.group import SyncGroup, peer_failed
+from sync_runtime.transfer.spans import span
 from sync_runtime.transfer.staging import Staging, tiles_exactly
+from sync_runtime.transfer.tags import Tags
 from sync_runtime.transfer.verify import preflight
 from sync_runtime.transfer.waiter import Completion, Key, Message, MessageWaiter
 
 log = logging.getLogger("weightsync.transfer")
 ProgressFn = Callable[[int, int], None]
-_TAG_ROUND_SHIFT = 16  # up to 65536 messages per (pair, round); rounds wrap at 2^15, far beyond any plan
 _MsgRef = tuple[int, int]
 """(bucket index in the round, message index in the bucket)."""
 
@@ -123,6 +124,7 @@ class _Executor:
             self._drain(flight, block=True)
         self.waiter.stop()
 
+    @span("transfer.allocate_staging")
     def _allocate_staging(self) -> None:
         """Allocate every staged tensor up front; zero only those the plan does not tile exactly.
 
@@ -153,6 +155,7 @@ class _Executor:
         assert self.destination is not None
         return self.destination.staged(name)
 
+    @span("transfer.pack_and_checksum")
     def _pack(self, round_index: int, j: int, bucket: Bucket) -> Outgoing:
         self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
         cfg, pool = self.config, self.group.buffers
@@ -178,7 +181,7 @@ class _Executor:
         self.where = f"round {i} (posting)"
         flight = _Round(i)
         recv_buckets, send_buckets = self.plan.recvs[i], self.plan.sends[i]
-        rtags, stags = _Tags(i), _Tags(i)
+        rtags, stags = Tags(i), Tags(i)
         recvs, pool, direct = [], self.group.buffers, self.config.direct_min_bytes
         for j, b in enumerate(recv_buckets):
             inc = receive_bucket(b, self._staged, self.device, pool, direct, self.wire.recv, self.delta)
@@ -210,7 +213,7 @@ class _Executor:
         return flight
 
     def _send_list(
-        self, flight: _Round, buckets: tuple[Bucket, ...], tags: _Tags, first: int = 0
+        self, flight: _Round, buckets: tuple[Bucket, ...], tags: Tags, first: int = 0
     ) -> list[tuple[int, torch.Tensor, int]]:
         """The messages of send buckets first..first+len(buckets)-1, registered in `flight`."""
         sends = []
@@ -234,7 +237,8 @@ class _Executor:
         """Handle completions of `flight`; with block=True until all its messages completed."""
         assert self.waiter is not None or not flight.outstanding
         while flight.outstanding:
-            done = self.waiter.next(self.config.poll_interval_s if block else 0.0)  # type: ignore[union-attr]
+            with span("transfer.wire_wait" if block else "transfer.poll"):
+                done = self.waiter.next(self.config.poll_interval_s if block else 0.0)  # type: ignore[union-attr]
             if done is None:
                 if not block:
                     return
@@ -285,6 +289,7 @@ class _Executor:
             self.send_bytes += self.plan.sends[flight.index][j].nbytes
             del flight.outgoing[j]
 
+    @span("transfer.land_and_checksum")  # the copy out of a bounce buffer, the checksums
     def _land(self, flight: _Round, j: int, m: int) -> None:
         bucket = self.plan.recvs[flight.index][j]
         self.where = f"round {flight.index} (unpacking bucket from rank {bucket.src_rank})"
@@ -308,27 +313,6 @@ class _Executor:
                 peer=bucket.src_rank,
             )
         self.recv_bytes += bucket.nbytes
-
-
-class _Tags:
-    """Message tags of one round: the round, and the message's index among those with the same peer.
-
-    Both ends number a pair's messages in plan order (buckets, then messages in a bucket), so
-    the n-th send to a peer matches the peer's n-th receive from this rank.
-    """
-
-    def __init__(self, round_index: int) -> None:
-        self._round = round_index
-        self._seen: dict[int, int] = {}
-
-    def next(self, peer: int) -> int:
-        k = self._seen.get(peer, 0)
-        if k >= 1 << _TAG_ROUND_SHIFT:
-            raise PlanMismatchError(
-                f"round {self._round}: more than {k} messages with rank {peer}", peer=peer
-            )
-        self._seen[peer] = k + 1
-        return ((self._round << _TAG_ROUND_SHIFT) | k) & 0x7FFFFFFF
 
 
 def run_rank_plan(
@@ -358,12 +342,15 @@ def run_rank_plan(
     ex = _Executor(group, plan, sources, destination, config, sync_id, on_progress, hooks, delta)
     try:
         fence = fingerprint(sources) if sources is not None else None
-        preflight(group, plan, sources, destination, config)
-        group.agree_digest(sync_id, agreed(plan.digest, config.direct_min_bytes, dict(config.delta_base)))
-        ex.run()
+        with span("transfer.preflight_agree"):
+            preflight(group, plan, sources, destination, config)
+            group.agree_digest(sync_id, agreed(plan.digest, config.direct_min_bytes, dict(config.delta_base)))
+        with span("transfer.rounds"):
+            ex.run()
         if fence is not None:  # before `finish`: every rank then fails with this as the cause
             check_fence(fence, sources, plan.rank)  # type: ignore[arg-type]
-        group.finish(sync_id, config.timeout_s, last_round=len(plan.sends) - 1)
+        with span("transfer.finish_agree"):
+            group.finish(sync_id, config.timeout_s, last_round=len(plan.sends) - 1)
     except Exception as e:
         failure = _as_error(e, ex, _peer_failure(group, sync_id), is_source=sources is not None).to_failure()
         group.report_failure(sync_id, failure)

@@ -276,11 +276,16 @@ def check_policy(policy: str) -> StagingPolicy:
 
 def combine_checksums(tensors: dict[str, torch.Tensor]) -> str:
     """A digest of (name, checksum) over `tensors` in name order."""
+    return combine_hex({name: hex_digest(checksum_tensor(t)) for name, t in tensors.items()})
+
+
+def combine_hex(sums: dict[str, str]) -> str:
+    """`combine_checksums` of tensors whose hex checksums (`hex_digest`) are already known."""
     import hashlib
 
     h = hashlib.blake2b(digest_size=8)
-    for name in sorted(tensors):
-        h.update(name.encode() + b"\0" + hex_digest(checksum_tensor(tensors[name])).encode())
+    for name in sorted(sums):
+        h.update(name.encode() + b"\0" + sums[name].encode())
     return h.hexdigest()
 
 
