@@ -153,6 +153,32 @@ CONFIGS |= {
         "attn_logit_softcapping": None,
         "tie_word_embeddings": True,
     },
+    # bf16 experts stored fused (gate/up interleaved) with biases, q/k/v/o biases, per-head
+    # attention sinks, a biased router, yarn rope (vLLM's GptOssAttention reads its fields) and a
+    # 16-token sliding window on layer 0 (vLLM windows the even layers). Im 64: 32 per TP rank.
+    "gpt_oss": {
+        **_SMALL,
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "attention_bias": True,
+        "intermediate_size": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "experts_per_token": 2,
+        "swiglu_limit": 7.0,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
 PRESETS = {
     "vllm-tiny-qwen3": "qwen3",

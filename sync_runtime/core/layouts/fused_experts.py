@@ -10,13 +10,14 @@ how vLLM 0.32's `GptOssModel._load_weights_other` narrows them. EP: experts e0..
 vLLM (GptOssForCausalLM's `hf_to_vllm_mapper`): `self_attn.` is `attn.`, the embedding is
 `model.embedding.weight`; `attn.sinks` holds the rank's heads; `attn.o_proj.bias` is whole on every
 rank (RowParallelLinear adds it on rank 0 only); `mlp.router.{weight,bias}` whole;
-`mlp.experts.routed_experts.w13_bias` (E', 2n) and `w2_bias` (E', H), the latter zero on TP ranks
-> 0 without EP (vLLM's loader zeroes it there: the row-parallel reduction adds it once), so those
-ranks hold no piece of it. vLLM's loader permutes the narrowed expert weights, (E', H, 2n) ->
-w13_weight (E', 2n, H) and (E', n, H) -> w2_weight (E', H, n); a piece maps boxes element for
-element in row-major order and cannot express a transpose, so this layout declares those two in
-the checkpoint's orientation (`PERMUTED_LOCALS`): a live vLLM rank reports the permuted shapes and
-discovery refuses it by shape until the destination permutes on apply.
+`mlp.experts.routed_experts.w13_bias` (E', 2n) and `w2_bias` (E', H), the latter only on TP rank
+0 without EP: vLLM's loader zeroes it on the other ranks (the row-parallel reduction adds it once),
+so they receive nothing of it and do not hold it here. vLLM's loader permutes the narrowed expert
+weights, (E', H, 2n) -> w13_weight (E', 2n, H) and (E', n, H) -> w2_weight (E', H, n); a piece maps
+boxes element for element in row-major order and cannot express a transpose, so this layout
+declares those two in the checkpoint's orientation (`PERMUTED_LOCALS`). A vLLM rank receives them so
+(engines/vllm_family_load.py: it reports the checkpoint-oriented shape, permutes on apply and
+zeroes w2_bias off rank 0, as vLLM's loader does).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def _experts(
     down_bias: bool = True,
 ) -> None:
     """The four expert tensors of the rank at `box`, under `names[canonical suffix]`; without
-    `down_bias` the rank holds down_proj_bias as zeros (a local tensor with no piece)."""
+    `down_bias` the rank holds no down_proj_bias (its engine zeroes it)."""
     e0, e1, lo, hi = box
     hidden = dense[GATE_UP].shape[1]
     canon_boxes = {
@@ -93,11 +94,12 @@ def _experts(
         DOWN_BIAS: ((e0, e1), (0, hidden)),
     }
     for suffix, canon in canon_boxes.items():
+        if suffix == DOWN_BIAS and not down_bias:
+            continue
         t, local = dense[suffix], names[suffix]
         shape = tuple(b - a for a, b in canon)
         out.local(local, shape, t.dtype)
-        if suffix != DOWN_BIAS or down_bias:
-            out.piece(t.name, canon, local, tuple((0, s) for s in shape))
+        out.piece(t.name, canon, local, tuple((0, s) for s in shape))
 
 
 def vllm_layer(
