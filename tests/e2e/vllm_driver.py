@@ -1,23 +1,21 @@
-"""Ray driver of tests/e2e/test_vllm_e2e.py: real vLLM destinations in the e2e Ray cluster.
+"""Ray driver of tests/e2e/test_vllm_e2e.py: the sources and the oracle engines in the e2e Ray cluster.
 
 Runs in a subprocess with the cluster's ``env()`` (token auth) under the engine environment's
 Python; each subcommand connects, acts, prints one JSON line and exits. A subprocess, not the
 pytest process: in ``make test-engines`` the pytest process is already a driver of the engine
 tests' own (unauthenticated) local cluster, and one process joins one Ray cluster.
 
-    python vllm_driver.py up --namespace NS --config C --seed S --version V --src P --dst-prefix D \
+    python vllm_driver.py up --namespace NS --config C --seed S --version V --src P \
         --reference V=DIR [--reference V=DIR ...]
-    python vllm_driver.py generate --namespace NS --name ACTOR
     python vllm_driver.py train --namespace NS --config C --seed S --version V
     python vllm_driver.py down --namespace NS
 
-``up``: the demo's Megatron-layout sources (detached, seeded weights of V), ONE detached
-``VllmReplica`` named ``<D>r0`` (TP 1, dummy weights) that discovery finds by its prefix, and
-one reference engine per ``--reference`` (the same vLLM loaded normally from that checkpoint),
-all started together; then the greedy generation of the dummy engine and of every reference (and
-the references' kernel checksums: the reference cache's entry), after which the references are
-stopped. ``down`` stops every engine (its processes first) and
-kills every actor of the namespace.
+``up``: the demo's Megatron-layout sources (detached, seeded weights of V) and one reference
+engine per ``--reference`` (a ``VllmReplica``: vLLM loaded normally from that checkpoint), all
+started together; then the greedy generation of every reference and its kernel checksums (the
+reference cache's entry), after which the references are stopped. The destination is not
+here: it is the test's ``vllm serve`` pods, which the runtime attaches by label. ``down`` stops
+any reference engine left (its processes first) and kills every actor of the namespace.
 """
 
 from __future__ import annotations
@@ -39,16 +37,14 @@ from sync_runtime.testing.cluster import DemoSetup, create_participants, train_s
 from tests.support.vllm_deploy import engine_env, generations, kernel_checksums, stop_replicas
 
 ENGINE_READY_S = 500.0
-"""vLLM start on a loaded 2-core machine (2-3 engines starting together, each importing torch)."""
+"""vLLM start on a loaded 2-core machine (the server pod and 0-2 references starting together)."""
 
 
-def _replica(name: str, namespace: str, model_dir: str, load_format: str, detached: bool) -> Any:
+def _reference(name: str, namespace: str, model_dir: str) -> Any:
     from sync_runtime.engines.vllm_replica import VllmReplica, replica_options
 
     options = replica_options(name, namespace, 1, engine_env(1))
-    if detached:
-        options["lifetime"] = "detached"  # outlives this driver, like a serving deployment's actor
-    return ray.remote(VllmReplica).options(**options).remote(model_dir, load_format=load_format)
+    return ray.remote(VllmReplica).options(**options).remote(model_dir, load_format="auto")
 
 
 def _setup(args: argparse.Namespace) -> DemoSetup:
@@ -58,45 +54,34 @@ def _setup(args: argparse.Namespace) -> DemoSetup:
         "tp=1,replicas=1",
         namespace=args.namespace,
         seed=args.seed,
-        dst_prefix=args.dst_prefix,
+        dst_prefix="unused-",  # the destination is server pods, not actors
     )
 
 
 def cmd_up(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.monotonic()
     setup = _setup(args)
-    dst = _replica(f"{args.dst_prefix}r0", args.namespace, str(Path(args.config).parent), "dummy", True)
     refs = {}
     for item in args.reference:
         version, _, directory = item.partition("=")
-        refs[version] = _replica(f"reference-{version}", args.namespace, directory, "auto", False)
-    engines = [dst, *refs.values()]
+        refs[version] = _reference(f"reference-{version}", args.namespace, directory)
     create_participants(
         setup,
         src_version=args.version,
         dst_version="-",
         detached=True,
-        skip=lambda c: c.role is Role.DESTINATION,  # the destination is the vLLM replica
+        skip=lambda c: c.role is Role.DESTINATION,  # the destination is the vLLM server pods
     )
     sources_s = time.monotonic() - t0
-    ray.get([h.ws_num_ranks.remote() for h in engines], timeout=ENGINE_READY_S)
+    ray.get([h.ws_num_ranks.remote() for h in refs.values()], timeout=ENGINE_READY_S)
     engines_s = time.monotonic() - t0
-    rows = generations(engines)
-    label = ray.get(dst.weight_version.remote())
+    rows = generations(list(refs.values())) if refs else []
     kernels = {v: kernel_checksums(h) for v, h in refs.items()}  # what the reference cache keeps
     stop_replicas(list(refs.values()))
     return {
-        "dummy": rows[0],
-        "reference": {v: {"calls": [r], "kernels": kernels[v]} for v, r in zip(refs, rows[1:], strict=True)},
-        "version": label,
-        "seconds": {"sources": sources_s, "engines": engines_s, "total": time.monotonic() - t0},
+        "reference": {v: {"calls": [r], "kernels": kernels[v]} for v, r in zip(refs, rows, strict=True)},
+        "seconds": {"sources": sources_s, "references": engines_s, "total": time.monotonic() - t0},
     }
-
-
-def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
-    handle = ray.get_actor(args.name, namespace=args.namespace)
-    rows = generations([handle])[0]
-    return {"rows": rows, "version": ray.get(handle.weight_version.remote())}
 
 
 def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,7 +93,7 @@ def cmd_down(args: argparse.Namespace) -> dict[str, Any]:
     named = ray.util.list_named_actors(all_namespaces=True)
     names = sorted(a["name"] for a in named if a["namespace"] == args.namespace)
     handles = {n: ray.get_actor(n, namespace=args.namespace) for n in names}
-    engines = [h for n, h in handles.items() if n.startswith((args.dst_prefix, "reference-"))]
+    engines = [h for n, h in handles.items() if n.startswith("reference-")]
     stop_replicas(engines)  # the engine's processes first: ray.kill alone would orphan them
     for handle in handles.values():
         ray.kill(handle, no_restart=True)
@@ -118,11 +103,10 @@ def cmd_down(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm_driver.py")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for name in ("up", "generate", "train", "down"):
+    for name in ("up", "train", "down"):
         p = sub.add_parser(name)
         p.add_argument("--address", required=True)
         p.add_argument("--namespace", required=True)
-        p.add_argument("--dst-prefix", default="vllm-")
     for name in ("up", "train"):
         p = sub.choices[name]
         p.add_argument("--config", required=True, help="config.json of the model (a checkpoint dir's)")
@@ -130,11 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--seed", type=int, required=True)
         p.add_argument("--version", required=True)
     sub.choices["up"].add_argument("--reference", action="append", default=[], metavar="VERSION=DIR")
-    sub.choices["generate"].add_argument("--name", required=True)
     args = parser.parse_args(argv)
 
     ray.init(address=args.address, namespace=args.namespace, logging_level="WARNING", log_to_driver=False)
-    commands = {"up": cmd_up, "generate": cmd_generate, "train": cmd_train, "down": cmd_down}
+    commands = {"up": cmd_up, "train": cmd_train, "down": cmd_down}
     out = commands[args.cmd](args)
     print(json.dumps(out), flush=True)
     return 0

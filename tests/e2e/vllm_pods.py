@@ -1,0 +1,109 @@
+"""Kubernetes objects of tests/e2e/test_vllm_e2e.py: the WeightSync whose destination is
+`vllm serve` pods selected by label, the Deployment of those pods (the server command and
+environment the engine tests' servers use: sync_runtime/testing/vllm_server.py), and waiting
+for the server pod's readiness probe."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from helpers import condition, get_json, wait_for
+
+from sync_runtime.testing.vllm_server import serve_args, serve_env
+
+NS = "ws-vllm"
+WS = "policy"
+SECRET = "ray-token"
+RAY_NS = "e2e-vllm"
+DEPLOYMENT = "rollout"
+LABELS = {"app": "vllm-rollout"}
+SERVER_READY_S = 600
+"""The server pod's start (vLLM importing torch beside the sources and 0-2 oracle engines)."""
+
+
+def manifest(address: str, port: int, version: str) -> dict[str, Any]:
+    """No spec.model: the runtime reads the model config from the source actors."""
+    return {
+        "apiVersion": "weightsync.io/v1alpha1",
+        "kind": "WeightSync",
+        "metadata": {"name": WS, "namespace": NS},
+        "spec": {
+            "version": version,
+            "source": {
+                "name": "trainer",
+                "rayAddress": address,
+                "rayNamespace": RAY_NS,
+                "actorPrefix": "trainer-",
+                "layout": "megatron",
+                "parallelism": {"tp": 2},
+                "authSecretRef": {"name": SECRET, "key": "auth_token"},
+            },
+            "destinations": [
+                {
+                    "name": DEPLOYMENT,
+                    "layout": "vllm",
+                    "vllmServers": {"selector": {"matchLabels": LABELS}, "port": port},
+                    "pause": "keep",
+                    "parallelism": {"tp": 1, "replicas": 1},
+                }
+            ],
+            "transport": {
+                "bucketMb": 1,
+                "stagingBudgetMb": 8,
+                "connectTimeoutSeconds": 60,
+                "transferTimeoutSeconds": 60,
+            },
+            "retry": {"limit": 2, "backoffSeconds": 1, "maxBackoffSeconds": 5},
+        },
+    }
+
+
+def deployment(model_dir: str, port: int) -> dict[str, Any]:
+    """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them. The node
+    agent runs `command` with the engine env first on PATH (`python` is its interpreter)."""
+    # The engine settings of the tests' servers; not PYTHONPATH: the plugin comes from the
+    # installed package, as in a user's image.
+    env = {k: v for k, v in serve_env(1).items() if k != "PYTHONPATH"}
+    container = {
+        "name": "vllm",
+        "image": "unused",  # the node agent runs the command as a local process
+        "command": ["python", *serve_args(model_dir, port)],
+        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "ports": [{"name": "http", "containerPort": port}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": DEPLOYMENT, "namespace": NS},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": LABELS},
+            "template": {
+                "metadata": {"labels": LABELS},
+                "spec": {"containers": [container], "terminationGracePeriodSeconds": 3},
+            },
+        },
+    }
+
+
+def server_pods(kubectl: Any) -> list[dict[str, Any]]:
+    selector = ",".join(f"{k}={v}" for k, v in LABELS.items())
+    return list((get_json(kubectl, "pods", "-n", NS, "-l", selector) or {}).get("items") or [])
+
+
+def wait_server_ready(kubectl: Any) -> tuple[dict[str, Any], int]:
+    """The server pod once Ready, and how often it was seen running but not Ready before."""
+    unready = 0
+
+    def ready() -> dict[str, Any] | None:
+        nonlocal unready
+        for pod in server_pods(kubectl):
+            found = condition(pod, "Ready")
+            if found is not None and found["status"] == "True":
+                return pod
+            statuses = (pod.get("status") or {}).get("containerStatuses") or []
+            unready += any("running" in s["state"] for s in statuses)
+        return None
+
+    return wait_for("the vllm serve pod Ready", ready, SERVER_READY_S, interval=1.0), unready
