@@ -116,3 +116,36 @@ def test_oracle_key_holds_what_the_outputs_depend_on(tmp_path: Path) -> None:
     (tmp_path / "a" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError):  # no checkpoint bytes: no key
         rc.oracle_key(tmp_path / "a", **args)
+
+
+SOURCE = """
+def kept(x):
+    return x + 1
+
+
+class Engine:
+    def generate(self):
+        return "tokens"
+
+    def apply(self):
+        return "sync path"
+"""
+
+
+def test_engine_code_is_keyed_by_the_named_functions_only() -> None:
+    """An oracle's key changes with the code that runs inside it, not with the rest of its files:
+    editing a named method changes the digest of its source; editing another method does not."""
+    assert rc.source_of(SOURCE, "Engine.generate").startswith("def generate(self):")
+    assert rc.source_of(SOURCE, "kept") == "def kept(x):\n    return x + 1"
+    edited_elsewhere = SOURCE.replace('"sync path"', '"a faster sync path"')
+    assert rc.source_of(edited_elsewhere, "Engine.generate") == rc.source_of(SOURCE, "Engine.generate")
+    edited_inside = SOURCE.replace('"tokens"', '"other tokens"')
+    assert rc.source_of(edited_inside, "Engine.generate") != rc.source_of(SOURCE, "Engine.generate")
+    with pytest.raises(LookupError, match=r"no function or class 'Engine\.load'"):
+        rc.source_of(SOURCE, "Engine.load")
+
+
+def test_every_name_the_engine_code_key_lists_exists() -> None:
+    """A renamed function must be renamed in ENGINE_CODE too (else the key would miss it)."""
+    digest = rc.engine_code_digest()
+    assert len(digest) == 64 and digest == rc.engine_code_digest()

@@ -16,6 +16,7 @@ round trip bit for bit (Python writes the shortest repr that reads back to the s
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -35,14 +36,18 @@ CPU_FLAGS = frozenset(
 )
 """The /proc/cpuinfo flags that pick a kernel path in torch and vLLM's CPU backend (every avx512*
 flag is kept too): another set may give other logprob bits."""
-ENGINE_CODE = (
-    "engines/vllm_replica.py",
-    "engines/vllm_worker.py",
-    "engines/vllm_apply.py",
-    "transfer/checksum.py",
-)
-"""WeightSync modules that run inside the oracle engine (its settings, how it generates, how its
-kernel checksums are computed): any change to them is a new key."""
+ENGINE_CODE: dict[str, tuple[str, ...] | None] = {
+    "engines/vllm_replica.py": ("VllmReplica.__init__", "VllmReplica.generate", "replica_options"),
+    "engines/vllm_worker.py": ("VllmRankParticipant.ws_kernel_checksums",),
+    "engines/vllm_apply.py": ("kernel_state", "_tensor_attrs"),
+    "engines/vllm_plugin/__init__.py": None,
+    "transfer/checksum.py": None,
+}
+"""The WeightSync code that runs inside an oracle engine and shapes what it reports: the engine's
+settings and how it generates (VllmReplica), how its kernel checksums are taken, the plugin every
+vLLM process loads. Per file, the functions and classes' methods that count (None: the whole
+file): any change to them is a new key, while the rest of those files (the sync and apply paths,
+which an oracle never runs) can change without recomputing every oracle."""
 
 
 def cache_dir() -> Path:
@@ -99,7 +104,35 @@ def environment() -> dict[str, Any]:
 
 def engine_code_digest() -> str:
     root = Path(__file__).resolve().parents[1]
-    return _sha256_files(root / rel for rel in ENGINE_CODE)
+    h = hashlib.sha256()
+    for rel, names in ENGINE_CODE.items():
+        text = (root / rel).read_text()
+        h.update(rel.encode() + b"\0")
+        for part in [text] if names is None else [source_of(text, name, rel) for name in names]:
+            h.update(hashlib.sha256(part.encode()).digest())
+    return h.hexdigest()
+
+
+def source_of(text: str, dotted: str, where: str = "<source>") -> str:
+    """The source of the function or class named `dotted` ("f", "Class.method") in `text`.
+    A name that is not there raises: a renamed function must be renamed in ENGINE_CODE too."""
+    body: list[ast.stmt] = ast.parse(text).body
+    node: ast.AST | None = None
+    for part in dotted.split("."):
+        node = next(
+            (n for n in body if isinstance(n, _DEFS) and n.name == part),
+            None,
+        )
+        if node is None:
+            raise LookupError(f"{where}: no function or class {dotted!r}")
+        body = node.body  # type: ignore[attr-defined]
+    segment = ast.get_source_segment(text, node) if node is not None else None
+    if segment is None:
+        raise LookupError(f"{where}: no source for {dotted!r}")
+    return segment
+
+
+_DEFS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
 
 
 def weights_digest(model_dir: str | Path) -> str:
