@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from sync_runtime.engines import vllm_family_load as family_load
 from sync_runtime.errors import DestinationError, SyncStep
 
 KNOWN_VLLM: dict[str, str] = {
@@ -90,18 +91,20 @@ def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
     seen: set[int] = set()
+    family = family_load.model_type(model)
     out: dict[str, EngineTensor] = {}
     for mname, mod in model.named_modules():
         info = LAYERWISE_INFO.get(mod)
         logical_params = info.restore_metadata[0] if info is not None else {}
         for pname, live in mod._parameters.items():
-            if live is None or id(live) in seen:
+            if live is None or id(live) in seen or pname in family_load.zeroed(family, mod):
                 continue
             seen.add(id(live))
             name = f"{mname}.{pname}" if mname else pname
             logical = logical_params.get(pname)
             if logical is not None:
-                shape, dtype = tuple(logical.shape), logical.dtype
+                shape = family_load.received_shape(family, pname, tuple(logical.shape))
+                dtype = logical.dtype
                 wire = dtype
             elif pname in SKIP_TENSORS:  # loaded by copy into the live tensor, never on meta
                 shape, dtype = tuple(live.shape), live.dtype
@@ -217,6 +220,7 @@ def _reset_attention_scales(model: torch.nn.Module) -> None:
 def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch.Tensor]) -> int:
     """Copy one module's shards into freshly materialised logical params, then run vLLM's
     post-load processing of that module (what `_layerwise_process` does after buffered loads)."""
+    from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import (
         _copy_and_restore_kernel_tensors,
@@ -229,13 +233,17 @@ def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch
     info = get_layerwise_info(layer)
     materialize_layer(layer, info)  # empty tensors in the logical shard shapes
     tensors = get_layer_tensors(layer)
+    # What vLLM's loader does beyond cutting (gpt-oss: permuted experts, w2_bias zeroed off TP rank 0).
+    family = get_current_vllm_config().model_config.hf_config.model_type
+    for pname in family_load.zeroed(family, layer):
+        tensors[pname].data.zero_()
     for pname, src in params.items():
         dst = tensors.get(pname)
         if dst is None:
             raise DestinationError(f"{mname}.{pname}: no such tensor", tensor=f"{mname}.{pname}")
         # 6: SKIP_TENSORS (e_score_correction_bias) stay live and are written here in place;
         # staging already holds the live dtype (the cast happened on receipt).
-        dst.data.copy_(src)
+        dst.data.copy_(family_load.to_param(family, pname, src))
     if hasattr(layer, "_already_called_process_weights_after_loading"):
         delattr(layer, "_already_called_process_weights_after_loading")
     for p in get_layer_tensors(layer).values():

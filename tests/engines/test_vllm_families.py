@@ -1,11 +1,14 @@
 """Real vLLM destinations, one per family that has no other engine test: Llama with `mlp_bias`,
-Mixtral, GLM-4.5 (`glm4_moe`) and Gemma 3 text, each a tiny seeded config (CONFIGS), TP 2.
+Mixtral, GLM-4.5 (`glm4_moe`), Gemma 3 text and gpt-oss, each a tiny seeded config (CONFIGS), TP 2.
 
 Per family, one module-scoped deployment: the demo's sources at v1 (Megatron layout; Gemma 3,
-which no Megatron-Core layer spec holds, from HF-layout FSDP-style ranks), one vLLM engine
+which no Megatron-Core layer spec holds, and gpt-oss, whose interleaved fused experts the megatron
+layouts refuse, from HF-layout FSDP-style ranks), one vLLM engine
 started with dummy weights, and the oracle: the same vLLM configuration loaded normally from the
 checkpoint of the same v1 weights (through the reference cache). Asserted per family:
-- the tensors the live engine reports (names, per-rank shapes, dtypes) are the vllm layout's;
+- the tensors the live engine reports (names, per-rank shapes, dtypes) are the vllm layout's
+  (gpt-oss's expert weights in the checkpoint's orientation, which its apply permutes as vLLM's
+  loader does: `received_permuted`);
 - after one sync, greedy generation is bit-identical to the oracle's (token ids and every
   logprob) and every tensor the engine's kernels read has the oracle's checksum;
 - negative controls: the dummy-weight engine generates otherwise and its kernel state differs;
@@ -21,13 +24,16 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.engines import vllm_family_load
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.hf_source import HfDemoSource
+from sync_runtime.testing.vllm_models import CONFIGS
 from tests.support.vllm_deploy import (
     deploy,
     destination_ref,
@@ -47,6 +53,9 @@ class Family:
     src_layout: str = "megatron"
     engine_dtypes: tuple[tuple[str, str], ...] = ()
     """(name suffix, dtype) where the live engine reports another dtype than the layout's wire."""
+    received_permuted: tuple[str, ...] = ()
+    """Parameters (name in their module) the rank receives in the checkpoint's orientation and the
+    apply permutes into vLLM's (engines/vllm_family_load.py), as vLLM's loader does."""
 
 
 FAMILIES = {
@@ -59,6 +68,9 @@ FAMILIES = {
         engine_dtypes=(("mlp.gate.weight", "float32"), ("mlp.gate.e_score_correction_bias", "bfloat16")),
     ),
     "gemma3": Family("tp=2", "hf"),
+    # Megatron layouts refuse gpt-oss (interleaved fused experts): HF-layout tp=2 sources. vLLM
+    # permutes the experts on load: (E, H, 2n) -> w13_weight (E, 2n, H), (E, n, H) -> w2_weight (E, H, n).
+    "gpt_oss": Family("tp=2", "hf", received_permuted=("w13_weight", "w2_weight")),
 }
 
 
@@ -103,7 +115,24 @@ def test_engine_reports_the_layouts_tensors(deployment: dict[str, Any]) -> None:
             held = {n: (s, dtype) for n, (s, _) in want.items() if n.endswith(suffix)}
             assert held and all(want[n][1] != dtype for n in held)  # a real difference, present
             want |= held
+        _check_received_permuted(deployment["key"], deployment["family"], want)
         assert got == want, meta.coord
+
+
+def _check_received_permuted(key: str, family: Family, want: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """The family's statement is the apply's table, and each such tensor is a real transpose: the
+    layout's (checkpoint-oriented) shard shape is not the shape of vLLM's parameter."""
+    model_type = CONFIGS[key]["model_type"]
+    assert set(family.received_permuted) == set(vllm_family_load.PERMUTED.get(model_type, {}))
+    for suffix in family.received_permuted:
+        held = [shape for n, (shape, _) in want.items() if n.endswith("." + suffix)]
+        assert held
+        for shape in held:
+            param = tuple(
+                vllm_family_load.to_param(model_type, suffix, torch.empty(shape, device="meta")).shape
+            )
+            assert param != shape
+            assert vllm_family_load.received_shape(model_type, suffix, param) == shape
 
 
 def _differ(got: list[dict[str, str]], want: list[dict[str, str]]) -> set[str]:
