@@ -28,6 +28,7 @@ import torch
 
 from sync_runtime.engines import vllm_family_load as family_load
 from sync_runtime.errors import DestinationError, SyncStep
+from sync_runtime.transfer.spans import span
 
 KNOWN_VLLM: dict[str, str] = {
     "0.31": "reload internals read (the nine names and LayerReloadingInfo as in 0.32; only "
@@ -194,13 +195,16 @@ def apply_shards(model: torch.nn.Module, vllm_config: Any, staged: Mapping[str, 
         by_module[mname][pname] = t
     moe = 0
     with set_current_vllm_config(vllm_config), torch.no_grad():
-        initialize_layerwise_reload(model)  # 1: kernel tensors saved, logical params on meta
+        with span("apply.initialize"):
+            initialize_layerwise_reload(model)  # 1: kernel tensors saved, logical params on meta
         for mname, params in by_module.items():
             moe += _apply_module(model.get_submodule(mname), mname, params)  # 2-3
-        finalize_layerwise_reload(model, vllm_config.model_config)  # 4: others back; MLA re-derived
-        tied = _reprocess_tied(model, by_module)  # 5
-        if getattr(vllm_config, "quant_config", None) is None:
-            _reset_attention_scales(model)  # 6
+        with span("apply.finalize"):
+            finalize_layerwise_reload(model, vllm_config.model_config)  # 4: others back; MLA re-derived
+        with span("apply.tied_and_scales"):
+            tied = _reprocess_tied(model, by_module)  # 5
+            if getattr(vllm_config, "quant_config", None) is None:
+                _reset_attention_scales(model)  # 6
     return ApplyReport(len(by_module), len(staged), moe, tuple(tied))
 
 
@@ -220,8 +224,6 @@ def _reset_attention_scales(model: torch.nn.Module) -> None:
 def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch.Tensor]) -> int:
     """Copy one module's shards into freshly materialised logical params, then run vLLM's
     post-load processing of that module (what `_layerwise_process` does after buffered loads)."""
-    from vllm.config import get_current_vllm_config
-    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
     from vllm.model_executor.model_loader.reload.layerwise import (
         _copy_and_restore_kernel_tensors,
         _get_original_loader,
@@ -231,7 +233,28 @@ def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
     info = get_layerwise_info(layer)
-    materialize_layer(layer, info)  # empty tensors in the logical shard shapes
+    with span("apply.materialize"):
+        materialize_layer(layer, info)  # empty tensors in the logical shard shapes
+    with span("apply.copy_staged"):
+        _copy_staged(layer, mname, params)
+    if hasattr(layer, "_already_called_process_weights_after_loading"):
+        delattr(layer, "_already_called_process_weights_after_loading")
+    for p in get_layer_tensors(layer).values():
+        if hasattr(p, "weight_loader"):
+            p.weight_loader = _get_original_loader(p)
+    with span("apply.process_weights"):
+        moe = _process_module(layer)
+    with span("apply.restore_kernel"):
+        _adopt_released_kernel_tensors(layer, info, mname)
+        _copy_and_restore_kernel_tensors(layer, info)  # 3: processed values into the live storage
+    info.reset()
+    return moe
+
+
+def _copy_staged(layer: torch.nn.Module, mname: str, params: Mapping[str, torch.Tensor]) -> None:
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
     tensors = get_layer_tensors(layer)
     # What vLLM's loader does beyond cutting (gpt-oss: permuted experts, w2_bias zeroed off TP rank 0).
     family = get_current_vllm_config().model_config.hf_config.model_type
@@ -244,11 +267,12 @@ def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch
         # 6: SKIP_TENSORS (e_score_correction_bias) stay live and are written here in place;
         # staging already holds the live dtype (the cast happened on receipt).
         dst.data.copy_(family_load.to_param(family, pname, src))
-    if hasattr(layer, "_already_called_process_weights_after_loading"):
-        delattr(layer, "_already_called_process_weights_after_loading")
-    for p in get_layer_tensors(layer).values():
-        if hasattr(p, "weight_loader"):
-            p.weight_loader = _get_original_loader(p)
+
+
+def _process_module(layer: torch.nn.Module) -> int:
+    """vLLM's post-load processing of one module; 1 when it holds a MoE kernel (prepacked)."""
+    from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
+
     moe = 0
     qm = getattr(layer, "quant_method", None)
     if isinstance(qm, QuantizeMethodBase):
@@ -261,9 +285,6 @@ def _apply_module(layer: torch.nn.Module, mname: str, params: Mapping[str, torch
             moe = 1
         if hasattr(layer, "update_param_tp_status"):
             layer.update_param_tp_status()
-    _adopt_released_kernel_tensors(layer, info, mname)
-    _copy_and_restore_kernel_tensors(layer, info)  # 3: processed values into the live storage
-    info.reset()
     return moe
 
 

@@ -18,9 +18,10 @@ an engine restart (no copy), the coordinator lists none of its replica's ranks f
 replica takes that sync in full, in the same run as the others' deltas.
 
 Host memory: the rank's shard once between syncs (bf16: 2 bytes per local parameter), twice
-during a sync (the base plus the new staging), where a full sync frees staging at its commit.
-It is kept only while spec.transport.delta is `auto` on the gloo backend
-(`TransferConfig.keep_sent`); with `off` (or NCCL) the next sync drops it at its start.
+during a sync (the base plus the new staging). It is kept as the base only while
+spec.transport.delta is `auto` on the gloo backend (`TransferConfig.keep_sent`); with `off`
+(or NCCL) the next sync drops it at its start, and a full sync's commit keeps its staged
+buffers instead, as the next full sync's staging (the shard once between syncs either way).
 """
 
 from __future__ import annotations

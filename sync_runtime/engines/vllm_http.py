@@ -9,9 +9,11 @@ development routes, so only the WeightSync runtime may reach the server's port f
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from sync_runtime.errors import DestinationError
+from sync_runtime.transfer.spans import span
 
 TIMEOUT_S = 600.0
 """One route call: `init_weight_transfer_engine` sets every worker up; `update_weights` with
@@ -19,18 +21,49 @@ TIMEOUT_S = 600.0
 
 
 class HttpControl:
-    """vLLM's weight-transfer control surface of one server at `base_url` (http://host:port)."""
+    """vLLM's weight-transfer control surface of one server at `base_url` (http://host:port).
+
+    One `httpx.Client` per instance and process (made on first use, dropped when pickled: the
+    proxy actor gets its own), so the calls of a sync reuse one kept-alive connection. A
+    module-level `httpx.request` builds a client, its SSL context and a TCP connection per
+    call: about 55 ms each on a 2-core host, against about 3 ms on a kept connection, and a
+    sync makes some 30 calls.
+    """
 
     def __init__(self, base_url: str, timeout_s: float = TIMEOUT_S) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"base_url": self.base_url, "timeout_s": self.timeout_s}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["base_url"], state["timeout_s"])  # type: ignore[misc]
+
+    def client(self) -> Any:
+        """This process's client of the server (httpx.Client is safe to share between threads)."""
+        import httpx
+
+        with self._lock:
+            if self._client is None:
+                self._client = httpx.Client(timeout=self.timeout_s)
+            return self._client
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def _call(self, verb: str, route: str, *, params: dict | None = None, body: dict | None = None) -> Any:
         import httpx
 
         url = f"{self.base_url}{route}"
         try:
-            r = httpx.request(verb, url, params=params, json=body, timeout=self.timeout_s)
+            with span(f"http{route}"):
+                r = self.client().request(verb, url, params=params, json=body)
         except httpx.HTTPError as e:
             raise DestinationError(f"vLLM server {self.base_url}: {route}: {type(e).__name__}: {e}") from e
         if r.status_code == 404:
@@ -80,6 +113,6 @@ class HttpControl:
         import httpx
 
         try:
-            return httpx.get(f"{self.base_url}/health", timeout=5.0).status_code == 200
+            return self.client().get(f"{self.base_url}/health", timeout=5.0).status_code == 200
         except httpx.HTTPError:
             return False

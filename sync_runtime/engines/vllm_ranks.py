@@ -38,6 +38,7 @@ from sync_runtime.engines.vllm_batch import Batch, RankBatcher, Result, value
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.errors import DestinationError, DiscoveryError, ParticipantDied
 from sync_runtime.runtime.participant import ParticipantMeta
+from sync_runtime.transfer.spans import span
 
 PAUSE_MODES = ("keep", "wait", "abort")
 ANSWER_TIMEOUT_S = 3600.0
@@ -206,30 +207,47 @@ class VllmEngineRanks(RankBatcher):
         with self._store_lock:
             for i, args in per_rank.items():
                 self._store.set(args_key(self._prefix, seq, i), pickle.dumps(args))
-        self._in_session(lambda: self._send(method, seq))
-        results = []
-        for i in range(self._ranks):
-            results.append(pickle.loads(self._await(answer_key(self._prefix, seq, i))))
+        results: list[Result] = []
+
+        def work() -> str | None:
+            self._send(method, seq)
+            if method != "ws_resume":
+                return None
+            # The answers are in (ws_resume runs inside update_weights): this session's finish
+            # labels the engine with the version, where a second session would cost two more
+            # round trips to every worker while generation is still paused.
+            results.extend(self._answers(seq))
+            return resumed_version(self._ranks, per_rank, results)
+
+        with span(f"proxy.send.{method}"):
+            self._in_session(work)
+        if not results:
+            with span(f"proxy.await.{method}"):
+                results = self._answers(seq)
         with self._store_lock:
             for i in range(self._ranks):
                 self._store.delete_key(answer_key(self._prefix, seq, i))
                 self._store.delete_key(args_key(self._prefix, seq, i))
         return results
 
+    def _answers(self, seq: int) -> list[Result]:
+        return [pickle.loads(self._await(answer_key(self._prefix, seq, i))) for i in range(self._ranks)]
+
     def _send(self, method: str, seq: int) -> None:
         if method == "ws_pause":
             self._pause_engine()
         self._control.update({"seq": seq, "method": method})
 
-    def _in_session(self, work: Callable[[], None], version: str | None = None) -> None:
+    def _in_session(self, work: Callable[[], str | None]) -> None:
         """`work` inside one vLLM weight-update session (start .. finish), never left open: vLLM
         accepts update_weights only inside one and refuses a second start while one is open, so a
         session left open (by a runtime that ended, or a proxy killed) would block every later
-        proxy of the engine. `version`: the label finish gives the engine's outputs."""
+        proxy of the engine. `work` returns the version label finish gives the engine's outputs
+        (None: the label is kept)."""
         with self._session:
             self._start()
             try:
-                work()
+                version = work()
             except Exception:
                 with contextlib.suppress(Exception):  # vLLM closes it itself when update_weights fails
                     self._control.finish(None)
@@ -250,11 +268,9 @@ class VllmEngineRanks(RankBatcher):
             return
         with self._state:
             self._last_pause = None
-        resumed = len(batch.args) == self._ranks and all(r == ("ok", True) for r in batch.results)
-        if not resumed:
+        if resumed_version(self._ranks, batch.args, batch.results) is None:
             return  # a rank does not hold the version: the replica stays paused (commit.py)
-        (version,) = next(iter(batch.args.values()))
-        self._in_session(lambda: None, str(version))  # vLLM labels outputs with this version
+        # _rpc's session already labelled the engine's outputs with the version
         with self._state:
             if self._paused_at is not None:
                 self._control.resume()
@@ -285,6 +301,15 @@ class VllmEngineRanks(RankBatcher):
                 checked = time.monotonic()
             time.sleep(POLL_S)
         raise DestinationError(f"no answer for {key} within {ANSWER_TIMEOUT_S:g}s")
+
+
+def resumed_version(ranks: int, per_rank: dict[int, tuple], results: list[Result]) -> str | None:
+    """The version a `ws_resume` batch resumed every local rank on, else None (a rank that does
+    not hold it answered False, or a rank was not in the batch: the replica stays paused)."""
+    if len(per_rank) != ranks or not all(r == ("ok", True) for r in results):
+        return None
+    (version,) = next(iter(per_rank.values()))
+    return str(version)
 
 
 def attach(

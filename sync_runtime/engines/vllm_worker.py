@@ -36,9 +36,9 @@ from sync_runtime.engines.vllm_apply import (
 from sync_runtime.engines.vllm_delta import CommittedBase, widened
 from sync_runtime.errors import DestinationError, ParticipantError, StagingError, SyncStep, WeightSyncError
 from sync_runtime.runtime.participant import ParticipantMeta, WeightSyncParticipant
-from sync_runtime.transfer import RankResult, TransferConfig
+from sync_runtime.transfer import RankResult, TransferConfig, spans
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
-from sync_runtime.transfer.staging import StagingProgress, combine_checksums
+from sync_runtime.transfer.staging import StagingProgress, combine_hex
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -56,7 +56,11 @@ class VllmStaging(StagingProgress):
     receipt); `commit` validates them all, then applies them in one pass; `abort` drops them and
     leaves the engine as it was. `checksums` are those of the bytes last committed, in the staged
     (live) dtype: what the rank holds. With `keep_base` a commit keeps its staged buffers as the
-    base of the next sync's deltas (`delta_base`, vllm_delta.py) instead of freeing them.
+    base of the next sync's deltas (`delta_base`, vllm_delta.py); without, it keeps them as the
+    next sync's staging (`_spare`): a fresh host buffer is page-faulted in as it is first
+    written, which cost a full sync about as much as one more copy of the shard. Only buffers
+    of a commit are reused (every receive into them completed), never those of an aborted sync,
+    which a failed transfer may still write.
     """
 
     def __init__(self, expected: Mapping[str, EngineTensor], apply: Applier, version: str = "") -> None:
@@ -71,11 +75,15 @@ class VllmStaging(StagingProgress):
         self._apply = apply
         self._committed_sums: dict[str, str] = {}
         self._staged: dict[str, torch.Tensor] | None = None
+        self._staged_sums: dict[str, str] | None = None
+        """Per tensor, the checksums `staged_checksum` last read; None once a buffer was handed
+        out since (it may have been written)."""
         self._pending_version: str | None = None
         self._lock = threading.Lock()
         self.keep_base = False
         """Set per sync from TransferConfig.keep_sent (delta auto on gloo)."""
         self._base = CommittedBase()
+        self._spare: dict[str, torch.Tensor] = {}
         self._widened = widened(self._meta, self._staging_dtype)
 
     @property
@@ -108,20 +116,25 @@ class VllmStaging(StagingProgress):
         with self._lock:
             if not self.keep_base:
                 self._base.drop()  # delta off (or NCCL): the copy is freed before staging grows
-            self._staged = {}
+            self._staged, self._staged_sums = {}, None
             self._pending_version = version
 
     def staged(self, name: str, *, fully_written: bool = False) -> torch.Tensor:
         with self._lock:
             if self._staged is None:
                 raise StagingError("begin(version) was not called before receiving into staging")
+            self._staged_sums = None  # the caller may write into it
             buf = self._staged.get(name)
             if buf is None:
                 meta = self._meta.get(name)
                 if meta is None:
                     raise StagingError(f"the engine holds no tensor {name!r}", tensor=name)
-                make = torch.empty if fully_written else torch.zeros  # zeros: vocab padding rows
-                buf = make(meta.shape, dtype=self._staging_dtype[name], device="cpu")
+                buf = self._spare.pop(name, None)
+                if buf is None:
+                    make = torch.empty if fully_written else torch.zeros  # zeros: vocab padding rows
+                    buf = make(meta.shape, dtype=self._staging_dtype[name], device="cpu")
+                elif not fully_written:
+                    buf.zero_()  # the previous version's bytes must not show where nothing lands
                 self._staged[name] = buf
             return buf
 
@@ -129,7 +142,9 @@ class VllmStaging(StagingProgress):
         with self._lock:
             if self._staged is None:
                 raise StagingError("staged_checksum() without begin(version)")
-            return combine_checksums(self._staged)
+            with spans.span("stage.checksum_all"):
+                self._staged_sums = _sums(self._staged)
+            return combine_hex(self._staged_sums)
 
     def commit(self, version: str | None = None) -> str:
         with self._lock:
@@ -140,9 +155,16 @@ class VllmStaging(StagingProgress):
                     f"commit({version!r}) but staging holds {self._pending_version!r}", step=SyncStep.COMMIT
                 )
             check_staged(self._staged, self._expected)  # before the model is touched
-            sums = {n: hex_digest(checksum_tensor(t)) for n, t in sorted(self._staged.items())}
+            # The two-phase commit re-read every staged byte just before this (staged_checksum, to
+            # refuse bytes changed after the decision), and no buffer was handed out since: those
+            # are the committed checksums, no third pass over the staging inside the pause.
+            sums = self._staged_sums
+            if sums is None:
+                with spans.span("commit.checksum_per_tensor"):
+                    sums = _sums(self._staged)
             try:
-                self.last_apply = self._apply(self._staged)
+                with spans.span("commit.apply"):
+                    self.last_apply = self._apply(self._staged)
             except Exception:
                 # The model is half re-materialised: it serves neither version now.
                 self.poisoned = True
@@ -152,14 +174,20 @@ class VllmStaging(StagingProgress):
             self._committed_sums = sums
             if self.keep_base:  # the apply only read them: they are the committed bytes
                 self._base.keep(self._staged, self.version)
+                self._spare = {}  # a spare and a base never coexist: staging never aliases the base
             else:
                 self._base.drop()
-            self._staged, self._pending_version = None, None
+                self._spare = self._staged  # the apply copied them into the model: free to reuse
+            self._staged, self._staged_sums, self._pending_version = None, None, None
             return self.version
 
     def abort(self) -> None:
         with self._lock:
-            self._staged, self._pending_version = None, None
+            self._staged, self._staged_sums, self._pending_version = None, None, None
+
+
+def _sums(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    return {n: hex_digest(checksum_tensor(t)) for n, t in sorted(tensors.items())}
 
 
 class VllmRankParticipant(WeightSyncParticipant):
@@ -211,6 +239,10 @@ class VllmRankParticipant(WeightSyncParticipant):
         if self.model is None:
             raise ParticipantError("ws_kernel_checksums before ws_setup")
         return {n: hex_digest(checksum_tensor(t)) for n, t in kernel_state(self.model).items()}
+
+    def ws_spans(self) -> dict[str, dict[str, float]]:
+        """This worker process's phase tallies since the last call (transfer/spans.py)."""
+        return spans.take()
 
     def ws_staging_dtypes(self) -> dict[str, str]:
         """Per tensor, the dtype it is staged and committed in (`ws_checksums` are of that)."""

@@ -43,6 +43,7 @@ from sync_runtime.engines.vllm_batch import Result
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_worker import VllmWorkerExtension
 from sync_runtime.errors import DestinationError, WeightSyncError
+from sync_runtime.transfer.spans import span
 
 log = logging.getLogger("weightsync.vllm")
 
@@ -123,7 +124,8 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         per_rank = {self._index: pickle.loads(store.get(key))} if store.check([key]) else {}
 
         def run() -> None:
-            result: Result = self._dispatch._ws_dispatch(method, per_rank)
+            with span(f"worker.{method}"):
+                result: Result = self._dispatch._ws_dispatch(method, per_rank)
             if method == "ws_commit" and torch.accelerator.is_available():
                 torch.accelerator.synchronize()  # the next forward pass reads the applied weights
             try:

@@ -1,0 +1,102 @@
+"""engines/vllm_ranks.VllmEngineRanks: the calls a pause and a resume make on vLLM's control surface.
+
+The resume's own weight-update session labels the engine with the version (one session: start,
+update, finish(version), then resume), only when every local rank resumed on that version.
+The control here records the calls and answers for the worker through the proxy's real
+control store, as the weightsync backend does (vllm_plugin/backend.py).
+"""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+import torch.distributed as dist
+
+from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
+from sync_runtime.engines.vllm_ranks import VllmEngineRanks, resumed_version
+
+pytestmark = pytest.mark.unit
+
+
+class RecordingControl:
+    """EngineControl of a one-worker engine whose worker answers `resume_ok` to ws_resume."""
+
+    def __init__(self, resume_ok: bool = True) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.resume_ok = resume_ok
+        self.store: dist.TCPStore | None = None
+        self.prefix = ""
+
+    def world_size(self) -> int:
+        return 1
+
+    def init(self, info: dict[str, Any]) -> None:
+        self.store = dist.TCPStore(info["store_host"], info["store_port"], is_master=False)
+        self.prefix = info["prefix"]
+        meta = SimpleNamespace(coord=SimpleNamespace(replica=info["replica"]))
+        self.store.set(init_key(self.prefix, 0), pickle.dumps(("ok", meta)))
+
+    def start(self) -> None:
+        self.calls.append(("start", None))
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.calls.append(("update", info["method"]))
+        assert self.store is not None
+        self.store.get(args_key(self.prefix, info["seq"], 0))
+        answer = self.resume_ok if info["method"] == "ws_resume" else True
+        self.store.set(answer_key(self.prefix, info["seq"], 0), pickle.dumps(("ok", answer)))
+
+    def finish(self, version: str | None) -> None:
+        self.calls.append(("finish", version))
+
+    def pause(self, mode: str) -> None:
+        self.calls.append(("pause", mode))
+
+    def resume(self) -> None:
+        self.calls.append(("resume", None))
+
+    def version(self) -> str:
+        return ""
+
+    def alive(self) -> bool:
+        return True
+
+
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy outside a Ray actor: no runtime context (and no local Ray started for one)."""
+    ctx = SimpleNamespace(get_actor_name=lambda: None, get_actor_id=lambda: None)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: ctx)
+
+
+def test_resume_labels_the_version_in_its_own_session(no_ray: None) -> None:
+    control = RecordingControl()
+    proxy = VllmEngineRanks(control, host="127.0.0.1")
+    assert proxy.ws_rank_call(0, "ws_pause", ()) is True
+    assert control.calls == [("start", None), ("pause", "keep"), ("update", "ws_pause"), ("finish", None)]
+    control.calls.clear()
+    assert proxy.ws_rank_call(0, "ws_resume", ("v3",)) is True
+    # before: start, update, finish(None), then start, finish("v3") in a second session, resume
+    assert control.calls == [("start", None), ("update", "ws_resume"), ("finish", "v3"), ("resume", None)]
+    assert len(proxy.pause_seconds()) == 1 and proxy.ws_pause_seconds() is not None
+
+
+def test_a_rank_that_does_not_resume_keeps_the_label_and_the_pause(no_ray: None) -> None:
+    control = RecordingControl(resume_ok=False)
+    proxy = VllmEngineRanks(control, host="127.0.0.1")
+    proxy.ws_rank_call(0, "ws_pause", ())
+    control.calls.clear()
+    assert proxy.ws_rank_call(0, "ws_resume", ("v3",)) is False
+    assert control.calls == [("start", None), ("update", "ws_resume"), ("finish", None)]  # no resume
+    assert proxy.pause_seconds() == [] and proxy.ws_pause_seconds() is None
+
+
+def test_resumed_version_needs_every_rank_ok() -> None:
+    assert resumed_version(2, {0: ("v1",), 1: ("v1",)}, [("ok", True), ("ok", True)]) == "v1"
+    assert resumed_version(2, {0: ("v1",)}, [("ok", True), ("skip", None)]) is None
+    assert resumed_version(2, {0: ("v1",), 1: ("v1",)}, [("ok", True), ("ok", False)]) is None
+    assert resumed_version(1, {0: ("v1",)}, [("error", RuntimeError("x"))]) is None

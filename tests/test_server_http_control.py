@@ -1,0 +1,114 @@
+"""engines/vllm_http.HttpControl against a real HTTP/1.1 server: one kept-alive connection.
+
+A sync makes some 30 calls to vLLM's RL routes; a client (and a TCP connection) per call cost
+about 55 ms each on a 2-core host. The server here stands in for `vllm serve`'s routes (only
+their JSON shapes); it counts the TCP connections it accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from sync_runtime.engines.vllm_http import HttpControl
+from sync_runtime.errors import DestinationError
+
+pytestmark = pytest.mark.unit
+
+ANSWERS = {
+    "/weight_info": {"weight_version": "v7"},
+    "/get_world_size": {"world_size": 2},
+    "/health": {},
+}
+
+
+class _Routes(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive
+    connections: list[int] = []
+    calls: list[str] = []
+
+    def setup(self) -> None:
+        super().setup()
+        type(self).connections.append(1)  # one handler per accepted connection
+
+    def _answer(self) -> None:
+        path = self.path.split("?")[0]
+        length = int(self.headers.get("content-length") or 0)
+        if length:
+            self.rfile.read(length)
+        type(self).calls.append(path)
+        known = path in ANSWERS or path in ("/start_weight_update", "/update_weights", "/pause")
+        body = json.dumps(ANSWERS.get(path, {})).encode() if known else b"no"
+        head = f"HTTP/1.1 {200 if known else 404} X\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        self.wfile.write(head + body)  # one write: no delayed-ACK stall between head and body
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, type[_Routes]]]:
+    routes = type("Routes", (_Routes,), {"connections": [], "calls": []})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), routes)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_port}", routes
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_calls_of_one_control_share_one_connection(server: tuple[str, type[_Routes]]) -> None:
+    url, routes = server
+    control = HttpControl(url)
+    for _ in range(5):
+        control.start()
+        control.update({"seq": 1, "method": "ws_meta"})
+    assert control.version() == "v7"
+    assert control.alive()
+    assert len(routes.calls) == 12
+    assert len(routes.connections) == 1  # a client per call would have opened 12
+
+
+def test_concurrent_calls_from_threads(server: tuple[str, type[_Routes]]) -> None:
+    url, routes = server
+    control = HttpControl(url)
+    got: list[str] = []
+    threads = [threading.Thread(target=lambda: got.append(control.version())) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == ["v7"] * 8
+    assert 1 <= len(routes.connections) <= 8  # the pool opens one per concurrent call at most
+
+
+def test_pickled_control_makes_its_own_client(server: tuple[str, type[_Routes]]) -> None:
+    url, routes = server
+    control = HttpControl(url, timeout_s=12.0)
+    control.version()
+    copy = pickle.loads(pickle.dumps(control))  # as Ray hands it to the proxy actor
+    assert (copy.base_url, copy.timeout_s) == (url, 12.0)
+    assert copy.client() is not control.client()
+    assert copy.version() == "v7"
+    assert len(routes.connections) == 2
+
+
+def test_unknown_route_and_dead_server_are_one_line_errors(server: tuple[str, type[_Routes]]) -> None:
+    url, _ = server
+    control = HttpControl(url)
+    with pytest.raises(DestinationError, match="VLLM_SERVER_DEV_MODE=1"):
+        control.init({})
+    control.close()
+    dead = HttpControl("http://127.0.0.1:9", timeout_s=2.0)
+    assert not dead.alive()
+    with pytest.raises(DestinationError, match="weight_info"):
+        dead.version()
