@@ -7,6 +7,11 @@ WeightSync attaches `VllmEngineRanks(HttpControl(url))`; the sources are the dem
 Megatron-layout actors. Oracle: our `VllmReplica` loaded from the reference checkpoint.
 Generation goes through the token-in/token-out route `/inference/v1/generate` (greedy, prompt
 token ids, logprobs of the chosen tokens), whose choices carry vLLM's weight version spans.
+
+The server and its sources are the session's shared ones (tests/engines/conftest.py
+`qwen3_server`, also used by test_vllm_server_pause.py and test_vllm_server_faults.py): the
+dummy-weight control is its generation recorded before any sync; the scrambled push then the
+v1 resync prove the sync whatever weights the server held when this module began.
 """
 
 from __future__ import annotations
@@ -25,47 +30,33 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import PROMPTS
-from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
-from tests.support.vllm_server import Client, free_port, generate, generations, serve, stop, wait_healthy
+from tests.support.vllm_deploy import destination_ref, rows_equal
+from tests.support.vllm_server import Client, generate, generations
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
-NS = "vllm-server"
 DST = ParallelSpec.parse("tp=1")
 
 
 @pytest.fixture(scope="module")
-def server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("qwen3server")
-    with deploy(
-        "qwen3",
-        tmp / "v1",
-        src="tp=2",
-        dst=DST,
-        namespace=NS,
-        engines={},
-        references={"ref": ("ref-server", {"tp": 1})},
-    ) as d:
-        port, log = free_port(), tmp / "serve.log"
-        url = f"http://127.0.0.1:{port}"
-        proc = serve(d.setup.model.rsplit("/", 1)[0], port, log)
-        ranks = None
-        try:
-            wait_healthy(url, proc, log)
-            ranks = attach("srv-r0", NS, HttpControl(url), ranks=1, pause="keep")
-            ray.get(ranks.ws_num_ranks.remote(), timeout=300)
-            dst = [destination_ref("srv", NS, "srv-r", DST)]
-            yield {
-                "setup": d.setup,
-                "url": url,
-                "ranks": ranks,
-                "ref": d.reference_calls[0]["ref"],
-                "spec": sync_spec(d.setup.model, NS, d.setup.src, dst, "v1"),
-                "manifest": d.manifest,
-            }
-        finally:
-            if ranks is not None:
-                ray.kill(ranks)
-            stop(proc)
+def server(qwen3_server: Any) -> Iterator[dict[str, Any]]:
+    """The session's shared server (tests/support/shared_server.py) and this module's own
+    WeightSync proxy of it (its pause count is this module's syncs only)."""
+    shared = qwen3_server
+    ranks = attach("srv-r0", shared.namespace, HttpControl(shared.url), ranks=1, pause="keep")
+    try:
+        ray.get(ranks.ws_num_ranks.remote(), timeout=300)
+        dst = [destination_ref("srv", shared.namespace, "srv-r", DST)]
+        yield {
+            "setup": shared.setup,
+            "url": shared.url,
+            "ranks": ranks,
+            "ref": shared.ref,
+            "dummy": shared.dummy,
+            "spec": shared.spec(dst, "v1"),
+            "manifest": shared.manifest,
+        }
+    finally:
+        ray.kill(ranks)
 
 
 def _sync(coordinator: Coordinator, client: Client, version: str) -> Any:
@@ -87,7 +78,7 @@ def test_server_reports_its_world_size_and_rl_routes(server: dict[str, Any]) -> 
 
 def test_in_flight_syncs_are_bit_identical_and_no_request_fails(server: dict[str, Any]) -> None:
     url, ref, setup = server["url"], server["ref"], server["setup"]
-    before = generations(url)
+    before = server["dummy"]  # the server's generation before any sync (it is shared)
     client = Client(url)
     client.start()
     coordinator = Coordinator(server["spec"], NullReporter(), manifest=server["manifest"])

@@ -4,7 +4,8 @@ TP 1): a server killed during its apply, then replaced by a fresh server on its 
 
 The kill comes right after the commit decision (CommitHooks.after_decision): replica 0 commits,
 replica 1's server is gone before its pause. Oracle: `VllmReplica` loaded from the reference
-checkpoint.
+checkpoint. Replica 0, which is never killed, is the session's shared server and sources
+(tests/engines/conftest.py `qwen3_server`); replica 1 and its replacement are this module's.
 
 The replacement server process is launched with the fleet and joins the deployment (its
 WeightSync actor is created, so discovery sees it) only after the crash: to WeightSync that is a
@@ -30,11 +31,12 @@ from sync_runtime.runtime.commit import CommitHooks
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncResult
 from sync_runtime.testing.vllm_models import PROMPTS
-from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
+from tests.support import shared_server
+from tests.support.vllm_deploy import destination_ref
 from tests.support.vllm_server import Client, Server, generate, generations, launch, stop
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
-NS = "vllm-server-faults"
+NS = shared_server.NS
 DST = ParallelSpec.parse("tp=1,replicas=2")
 
 
@@ -70,7 +72,7 @@ class Servers:
         ray.kill(self.actors.pop(k))
 
     def close(self) -> None:
-        """Detach every replica; stop every server launched."""
+        """Detach every replica; stop every server this module launched (not the shared one)."""
         for a in self.actors.values():
             ray.kill(a)
         for s in self.launched:
@@ -78,36 +80,31 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("qwen3serverfaults")
-    with deploy(
-        "qwen3",
-        tmp / "v1",
-        src="tp=2",
-        dst=DST,
-        namespace=NS,
-        engines={},
-        references={"ref": ("ref-sf", {"tp": 1})},
-    ) as d:
-        servers = Servers(d.setup.model.rsplit("/", 1)[0], tmp)
-        try:
-            first = [servers.launch() for _ in range(2)]
-            replacement = servers.launch()  # replica 1 after the crash
-            for k, server in enumerate(first):
-                servers.join(k, server)
-            # The replacement's first forward pass, before the trial: a fresh server's first
-            # request took 60-120 s beside a serving replica (it is still on its checkpoint).
-            generate(replacement.wait(), PROMPTS[0], timeout_s=600)
-            dst = [destination_ref("srv", NS, "sf-r", DST)]
-            yield {
-                "servers": servers,
-                "replacement": replacement,
-                "ref": d.reference_calls[0]["ref"],
-                "spec": sync_spec(d.setup.model, NS, d.setup.src, dst, "v1"),
-                "manifest": d.manifest,
-            }
-        finally:
-            servers.close()
+def fleet(qwen3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Replica 0: the session's shared server, first pushed other weights (neither the oracle's
+    nor dummy) so that its commit of v1 shows; replica 1 and its replacement: this module's own."""
+    shared = qwen3_server
+    servers = Servers(shared.setup.model.rsplit("/", 1)[0], tmp_path_factory.mktemp("qwen3serverfaults"))
+    try:
+        first = servers.launch()  # replica 1, killed by the trial
+        replacement = servers.launch()  # replica 1 after the crash
+        shared.push_other_weights()  # before replica 0's proxy is attached: one proxy at a time
+        assert generations(shared.url) != shared.ref
+        servers.join(0, shared.server)
+        servers.join(1, first)
+        # The replacement's first forward pass, before the trial: a fresh server's first
+        # request took 60-120 s beside a serving replica (it is still on its checkpoint).
+        generate(replacement.wait(), PROMPTS[0], timeout_s=600)
+        dst = [destination_ref("srv", NS, "sf-r", DST)]
+        yield {
+            "servers": servers,
+            "replacement": replacement,
+            "ref": shared.ref,
+            "spec": shared.spec(dst, "v1"),
+            "manifest": shared.manifest,
+        }
+    finally:
+        servers.close()
 
 
 def test_killed_during_its_apply_then_restarted(fleet: dict[str, Any]) -> None:

@@ -20,23 +20,23 @@ After each sync, generation equals the checkpoint-loaded engine (or, after the s
 of the `wait` test, agrees with it on no row) and carries the sync's version. The report gives
 the replica's pause seconds apart from transfer seconds. A declared TP that the server does not
 run is refused before any byte moves, naming the pod.
+
+The server (TP 1, dummy weights, the weightsync backend, max_model_len 512) and its sources are
+the session's shared ones (tests/engines/conftest.py `qwen3_server`): the `keep` test first
+pushes other weights (tests/support/shared_server.py `push_other_weights`) so that it starts
+from neither the oracle's nor its own; the dummy control is the generation recorded before any sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_servers import ServerAttacher
 from sync_runtime.errors import Reason
@@ -48,47 +48,16 @@ from sync_runtime.schema.crd import DeploymentRef, LabelSelector, Parallelism, V
 from sync_runtime.schema.report import NullReporter, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import PROMPTS
-from tests.support.vllm_deploy import deploy, engine_env, rows_equal, sync_spec
-from tests.support.vllm_server import free_port, generate, generations, stop, wait_healthy
+from tests.support.vllm_deploy import rows_equal
+from tests.support.vllm_server import generate, generations
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
-NS = "vllm-pause"
-DST = ParallelSpec.parse("tp=1")
 LONG = 300
 """Tokens of the in-flight request (prompt 8 + 300 < this server's max_model_len 512, the tiny
 model's max_position_embeddings): long enough to be still running when the pause lands."""
 STARTED = 4
 """Tokens the in-flight request must have streamed before the replica is paused."""
 POD = "vllm-0"
-
-
-def serve_long(model_dir: str, port: int, log: Any) -> subprocess.Popen:
-    """`vllm serve` as tests/support/vllm_server.serve starts it (TP 1, dummy weights, the
-    weightsync backend), with room for a LONG-token request."""
-    args = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.launchers.api_server.entry",  # `vllm serve` without the CLI wrapper
-        f"--model={model_dir}",
-        "--host=127.0.0.1",
-        f"--port={port}",
-        "--load-format=dummy",
-        "--dtype=bfloat16",
-        "--skip-tokenizer-init",
-        "--max-model-len=512",
-        "--max-num-seqs=4",
-        "--enforce-eager",
-        "--seed=0",
-        "--no-enable-prefix-caching",
-        "--distributed-executor-backend=mp",
-        "--enable-scale-out",
-        "--weight-transfer-config",
-        json.dumps({"backend": "weightsync"}),
-    ]
-    env = {**os.environ, **engine_env(1), "VLLM_SERVER_DEV_MODE": "1"}
-    return subprocess.Popen(
-        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
 
 
 def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -146,39 +115,28 @@ class InFlight(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("qwen3pause")
-    with deploy(
-        "qwen3",
-        tmp / "v1",
-        src="tp=2",
-        dst=DST,
-        namespace=NS,
-        engines={},
-        references={"ref": ("ref-pause", {"tp": 1})},
-    ) as d:
-        port, log = free_port(), tmp / "serve.log"
-        proc = serve_long(d.setup.model.rsplit("/", 1)[0], port, log)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            wait_healthy(url, proc, log)
-            yield {"d": d, "url": url, "port": port, "ref": d.reference_calls[0]["ref"]}
-        finally:
-            stop(proc)
+def fleet(qwen3_server: Any) -> dict[str, Any]:
+    """The session's shared server (tests/support/shared_server.py: room for LONG tokens)."""
+    return {
+        "shared": qwen3_server,
+        "url": qwen3_server.url,
+        "port": qwen3_server.port,
+        "ref": qwen3_server.ref,
+    }
 
 
 def _sync(fleet: dict[str, Any], mode: str, version: str, tp: int = 1) -> tuple[SyncReport, InFlight]:
     """One sync through the server attacher with pause `mode`, a request streaming meanwhile."""
-    d, url = fleet["d"], fleet["url"]
+    shared, url = fleet["shared"], fleet["url"]
     dest = DeploymentRef(
         name="srv",
-        ray_namespace=NS,
+        ray_namespace=shared.namespace,
         layout="vllm",
         parallelism=Parallelism(tp=tp),
         vllm_servers=VllmServers(selector=LabelSelector(match_labels={"app": "vllm"}), port=fleet["port"]),
         pause=mode,
     )
-    spec = sync_spec(d.setup.model, NS, d.setup.src, [dest], version)
+    spec = shared.spec([dest], version)
     pod = ServerPod(name=POD, uid=f"uid-{mode}-{tp}", ip="127.0.0.1", ready=True)
     attacher = ServerAttacher("default", f"pause-{mode}", list_pods=lambda ns, labels: [pod])
     request = InFlight(url)
@@ -190,7 +148,7 @@ def _sync(fleet: dict[str, Any], mode: str, version: str, tp: int = 1) -> tuple[
 
     servers.install(attacher)
     coordinator = Coordinator(
-        spec, NullReporter(), manifest=d.manifest, commit_hooks=CommitHooks(after_decision=in_flight)
+        spec, NullReporter(), manifest=shared.manifest, commit_hooks=CommitHooks(after_decision=in_flight)
     )
     try:
         report = coordinator.sync(version)
@@ -217,7 +175,8 @@ def _check_synced(fleet: dict[str, Any], report: SyncReport, version: str) -> No
 
 
 def test_keep_freezes_the_request_and_finishes_it_on_the_new_weights(fleet: dict[str, Any]) -> None:
-    url = fleet["url"]
+    url, shared = fleet["url"], fleet["shared"]
+    shared.push_other_weights()  # a known start: neither the oracle's weights nor dummy
     before, baseline = generations(url), long_generation(url)
     report, request = _sync(fleet, "keep", "keep-v1")
     _check_synced(fleet, report, "keep-v1")
@@ -229,17 +188,19 @@ def test_keep_freezes_the_request_and_finishes_it_on_the_new_weights(fleet: dict
     # cannot tell the two apart.
     assert request.tokens[:STARTED] == baseline[:STARTED]
     assert generations(url) == fleet["ref"]  # token ids and every logprob bit
-    assert rows_equal(before, fleet["ref"]) == 0  # negative control: dummy weights
+    assert rows_equal(before, fleet["ref"]) == 0  # negative control: the weights before the sync
+    assert rows_equal(shared.dummy, fleet["ref"]) == 0  # and the server's dummy weights
 
 
 def test_wait_finishes_the_request_on_the_old_weights_first(fleet: dict[str, Any]) -> None:
-    url, d = fleet["url"], fleet["d"]
+    url, setup = fleet["url"], fleet["shared"].setup
+    # the server holds dummy, the oracle's or push_other_weights' weights (seed 0 or 77): not 99's
     baseline = long_generation(url)
-    train_step(dataclasses.replace(d.setup, seed=99), "scrambled")
+    train_step(dataclasses.replace(setup, seed=99), "scrambled")
     try:
         report, request = _sync(fleet, "wait", "wait-scrambled")
     finally:
-        train_step(d.setup, "v1")
+        train_step(setup, "v1")
     _check_synced(fleet, report, "wait-scrambled")
     assert request.error is None and request.finish_reason == "length"
     assert request.tokens == baseline  # every token on the old weights: it finished before the apply
