@@ -12,8 +12,9 @@ CR's status:
    the API with its own token, and the next sync fails naming that pod and the route it could
    not reach, before any byte moves.
 
-The real `vllm serve` pods are in the engine environment's tests (tests/engines/
-test_vllm_server_pause.py: the same attacher against a real server).
+Real `vllm serve` pods are in the engine environment's tests: tests/e2e/test_vllm_e2e.py (a
+Deployment of them through this same control plane, synced while it serves) and
+tests/engines/test_vllm_server_pause.py (the same attacher against a real server).
 """
 
 from __future__ import annotations

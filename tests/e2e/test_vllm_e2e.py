@@ -311,8 +311,8 @@ def test_kubectl_apply_syncs_the_serving_server_bit_for_bit(
 
     assert HttpControl(stack.url).version() == obj["spec"]["version"] == "v1"
     rows = completions(stack.url)
-    stack.seconds["sync v1: pause"] = round(pause, 3)
-    stack.seconds["sync v1: requests"] = client.requests
+    stack.seconds["apply v1: pause"] = round(pause, 3)
+    stack.seconds["apply v1: requests"] = client.requests
     assert rows == stack.reference["v1"]  # token ids and every logprob, bit for bit
 
 
@@ -330,8 +330,8 @@ def _patch_sync(stack: Stack, kubectl: Any, version: str) -> tuple[dict[str, Any
         lambda: kubectl("patch", "weightsync", WS, "-n", NS, "--type=merge", "-p", patch),
     )
     stack.timed(f"train + patch -> Synced {version}", t0)
-    stack.seconds[f"sync {version}: pause"] = round(_assert_served(obj, client, version), 3)
-    stack.seconds[f"sync {version}: requests"] = client.requests
+    stack.seconds[f"patch {version}: pause"] = round(_assert_served(obj, client, version), 3)
+    stack.seconds[f"patch {version}: requests"] = client.requests
     assert obj["status"]["lastSync"]["planCached"] is True, obj["status"]["lastSync"]
     assert [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)] == pod_uid, "runtime pod replaced"
     assert HttpControl(stack.url).version() == version
