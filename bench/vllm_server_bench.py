@@ -38,6 +38,9 @@ import psutil
 import ray
 
 from bench.vllm_bench import BENCH_CONFIG
+from bench.vllm_server_breakdown import SpanProbe
+from bench.vllm_server_breakdown import lines as breakdown_lines
+from bench.vllm_server_breakdown import summarize as breakdown
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import Role
 from sync_runtime.engines.vllm_http import HttpControl
@@ -112,12 +115,39 @@ def vllm_reload(url: str) -> None:
     r.raise_for_status()
 
 
-def run_phases(setup: DemoSetup, url: str, procs: ServerProcs, repeats: int, address: str) -> dict[str, Any]:
+def warm_syncs(
+    setup: DemoSetup, coordinator: Coordinator, procs: ServerProcs, probe: SpanProbe, versions: list[str]
+) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """One measured sync per version (the sources train a step before each, not timed)."""
+    warm, windows = [], []
+    for v in versions:
+        train_step(setup, v)
+        probe.reset()
+        begin = time.monotonic()
+        report, m = measure(procs, lambda v=v: _sync(coordinator, v))
+        windows.append((begin, time.monotonic()))
+        pause = report.replicas[0].pause_seconds if report.replicas else None
+        warm.append(
+            {
+                **m,
+                "transfer_s": report.stages.transfer,
+                "pause_s": pause,
+                "cached": report.plan_cached,
+                "breakdown": probe.collect(report),
+            }
+        )
+    return warm, windows
+
+
+def run_phases(
+    setup: DemoSetup, url: str, procs: ServerProcs, repeats: int, address: str, proxy: Any
+) -> dict[str, Any]:
     transport = Transport(transfer_timeout_seconds=600, delta="off")  # full syncs, as a load reads
     coordinator = Coordinator(
         weightsync_spec(setup, "v1", address=address, transport=transport), NullReporter()
     )
     client = Client(url, interval_s=0.0)
+    probe = SpanProbe(proxy, list(setup.handles))
     try:
         cold_report, cold = measure(procs, lambda: _sync(coordinator, "v1"))
         synced = generations(url)
@@ -125,16 +155,11 @@ def run_phases(setup: DemoSetup, url: str, procs: ServerProcs, repeats: int, add
         t0 = time.monotonic()
         _, idle = measure(procs, lambda: time.sleep(IDLE_S))
         idle_windows = [(t0, time.monotonic())]
-        warm, windows = [], []
-        for i in range(repeats):
-            train_step(setup, f"v{i + 2}")  # new weights on the sources (not timed)
-            begin = time.monotonic()
-            report, m = measure(procs, lambda v=f"v{i + 2}": _sync(coordinator, v))
-            windows.append((begin, time.monotonic()))
-            pause = report.replicas[0].pause_seconds if report.replicas else None
-            warm.append(
-                {**m, "transfer_s": report.stages.transfer, "pause_s": pause, "cached": report.plan_cached}
-            )
+        warm, windows = warm_syncs(setup, coordinator, procs, probe, [f"v{i + 2}" for i in range(repeats)])
+        client.stop.set()
+        client.join(120)
+        # the same warm syncs with no client: what serving on the same cores costs a sync
+        quiet, _ = warm_syncs(setup, coordinator, procs, probe, [f"q{i + 2}" for i in range(repeats)])
     finally:
         client.stop.set()
         client.join(120)
@@ -144,6 +169,7 @@ def run_phases(setup: DemoSetup, url: str, procs: ServerProcs, repeats: int, add
         "cold": {**cold, "stages": cold_report.stages.model_dump()},
         "idle": {**idle, "requests_per_s": rate(client, idle_windows)},
         "warm": warm,
+        "quiet": quiet,
         "during_sync_requests_per_s": rate(client, windows),
         "load": loads,
         "client_failed": client.failed,
@@ -158,6 +184,7 @@ def summarize(res: dict[str, Any], model_bytes: int) -> dict[str, Any]:
     warm_s, load_s = median(res["warm"], "seconds"), median(res["load"], "seconds")
     pauses = [r["pause_s"] for r in res["warm"] if r["pause_s"] is not None]
     idle_rps = res["idle"]["requests_per_s"]
+    quiet_s = median(res["quiet"], "seconds")
     return {
         "bench": "vllm-server",
         "model_bytes": model_bytes,
@@ -166,6 +193,13 @@ def summarize(res: dict[str, Any], model_bytes: int) -> dict[str, Any]:
         "warm_sync_s": warm_s,
         "load_s": load_s,
         "warm_over_load": warm_s / load_s,
+        "quiet_warm_sync_s": quiet_s,
+        "quiet_over_load": quiet_s / load_s,
+        "client_cost_s": warm_s - quiet_s,
+        "breakdown": {
+            "warm": breakdown([r["breakdown"] for r in res["warm"]]),
+            "quiet": breakdown([r["breakdown"] for r in res["quiet"]]),
+        },
         "idle_requests_per_s": idle_rps,
         "during_sync_requests_per_s": res["during_sync_requests_per_s"],
         "during_sync_over_idle": res["during_sync_requests_per_s"] / idle_rps if idle_rps else None,
@@ -176,13 +210,19 @@ def summarize(res: dict[str, Any], model_bytes: int) -> dict[str, Any]:
         else None,
         "cpu_s": {
             phase: {g: statistics.median(r["cpu"][g] for r in runs) for g in ("server", "driver")}
-            for phase, runs in (("idle", [res["idle"]]), ("warm_sync", res["warm"]), ("load", res["load"]))
+            for phase, runs in (
+                ("idle", [res["idle"]]),
+                ("warm_sync", res["warm"]),
+                ("quiet_warm_sync", res["quiet"]),
+                ("load", res["load"]),
+            )
         },
         "peak_worker_rss_mib": {
             phase: max(r["peak_rss_mib"] for r in runs)
             for phase, runs in (
                 ("cold_sync", [res["cold"]]),
                 ("warm_sync", res["warm"]),
+                ("quiet_warm_sync", res["quiet"]),
                 ("load", res["load"]),
             )
         },
@@ -200,15 +240,21 @@ def print_table(s: dict[str, Any]) -> None:
         f"({s['during_sync_over_idle']:.2f}x); failed requests: {s['client_failed']}",
         f"sync warm {s['warm_sync_s']:.3f} s vs vLLM's reload {s['load_s']:.3f} s: "
         f"{s['warm_over_load']:.2f}x (cold sync {s['cold_sync_s']:.3f} s)",
+        f"sync warm with no client {s['quiet_warm_sync_s']:.3f} s: {s['quiet_over_load']:.2f}x vLLM's reload;"
+        f" the serving client costs a sync {s['client_cost_s']:.3f} s",
         "CPU s (server, driver): "
         f"warm sync {cpu['warm_sync']['server']:.2f}, {cpu['warm_sync']['driver']:.2f}; "
+        f"quiet warm sync {cpu['quiet_warm_sync']['server']:.2f}, {cpu['quiet_warm_sync']['driver']:.2f}; "
         f"reload {cpu['load']['server']:.2f}, {cpu['load']['driver']:.2f}",
-        f"worker peak RSS: warm sync {peak['warm_sync']:.0f} MiB, reload {peak['load']:.0f} MiB",
+        f"worker peak RSS: warm sync {peak['warm_sync']:.0f} MiB, quiet {peak['quiet_warm_sync']:.0f} MiB, "
+        f"reload {peak['load']:.0f} MiB",
         f"same weights after the v1 sync and after vLLM reloaded v1: {s['same_weights_sync_vs_load']}",
     ]
     if s["pause_s"] is not None:
         lines.insert(1, f"pause {s['pause_s']:.3f} s vs transfer {s['transfer_s']:.3f} s per warm sync "
                         f"({s['pause_over_transfer']:.2f}x, medians)")  # fmt: skip
+    lines += breakdown_lines("warm, client serving", s["breakdown"]["warm"])
+    lines += breakdown_lines("warm, no client", s["breakdown"]["quiet"])
     print("\n".join(lines))
 
 
@@ -230,7 +276,7 @@ def main() -> int:
         proxy = attach(f"{setup.dst_prefix}r0", NS, HttpControl(url), replica=0, ranks=1)
         ray.get(proxy.ws_num_ranks.remote(), timeout=600)
         generate(url, PROMPTS[0], timeout_s=600)  # a fresh server's first forward pass is slow
-        res = run_phases(setup, url, ServerProcs(server.proc.pid), args.repeats, address)
+        res = run_phases(setup, url, ServerProcs(server.proc.pid), args.repeats, address, proxy)
     finally:
         stop(server.proc)
         kill_participants(setup)
