@@ -32,6 +32,8 @@ POSTPROCESS = (
     "apply.tied_and_scales",
 )
 """The apply's spans that are vLLM's own post-load processing (all but the copy of staging)."""
+BACKGROUND = ("worker.ws_join", "worker.ws_run")
+"""The worker's calls that return before they ran (the engine serves meanwhile)."""
 
 
 class SpanProbe:
@@ -85,6 +87,10 @@ def categories(b: dict[str, Any]) -> dict[str, float]:
         "coordinator_commit_s": st["commit"],
         "http_round_trips_s": _wall(p, prefix="http/"),
         "http_calls": sum(v["calls"] for k, v in p.items() if k.startswith("http/")),
+        # update_weights returns after the worker ran the call (all but ws_join / ws_run, which
+        # run in the background): what is left of the round trips is the control path's own cost
+        "control_overhead_s": _wall(p, prefix="http/")
+        - sum(v["wall_s"] for k, v in w.items() if k.startswith("worker.") and k not in BACKGROUND),
         "proxy_await_answers_s": _wall(p, prefix="proxy.await."),
         "worker_join_s": _wall(w, "worker.ws_join"),
         "worker_transfer_run_s": _wall(w, "worker.ws_run"),
@@ -118,7 +124,8 @@ def lines(label: str, c: dict[str, float]) -> list[str]:
         f" plan {c['coordinator_plan_s']:.3f} connect {c['coordinator_connect_s']:.3f}"
         f" transfer {c['coordinator_transfer_s']:.3f} verify {c['coordinator_verify_s']:.3f}"
         f" commit {c['coordinator_commit_s']:.3f}",
-        f"  control: {c['http_calls']:.0f} HTTP calls {c['http_round_trips_s']:.3f} s; proxy waiting for"
+        f"  control: {c['http_calls']:.0f} HTTP calls {c['http_round_trips_s']:.3f} s (the control"
+        f" path's own {c['control_overhead_s']:.3f} s, the rest the worker's calls); proxy waiting for"
         f" answers {c['proxy_await_answers_s']:.3f} s; worker ws_join {c['worker_join_s']:.3f} s",
         f"  transfer (worker): ws_run {c['worker_transfer_run_s']:.3f} s = wire wait {c['wire_wait_s']:.3f}"
         f" + land/checksum {c['recv_land_checksum_s']:.3f} + staging alloc {c['staging_alloc_s']:.3f}"
