@@ -10,6 +10,10 @@ After a sync the engine must be indistinguishable from one that loaded the check
   calls of one engine differ from each other; alone they repeat exactly (asserted).
 - every rank's committed bytes equal the layout's shard of the seeded v1 weights (negative
   control: the v0 weights' checksums differ), and the derived tensors are never synced.
+
+The engine is the session's shared one (tests/engines/conftest.py `deepseek_tp2`, also synced by
+test_vllm_megatron_moe_mla.py): its dummy generation and kernel checksums were recorded when it
+started, before any sync; each test here that needs this module's v1 syncs it first.
 """
 
 from __future__ import annotations
@@ -41,26 +45,45 @@ DST = ParallelSpec.parse("tp=2")
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def deployment(deepseek_tp2: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The demo's sources at v1 and the session's shared DeepSeek-V3 TP 2 engine (dummy weights
+    when started; another module's weights if it synced first: the module's first sync, in
+    `synced`, overwrites every tensor)."""
+    shared = deepseek_tp2
     with deploy(
         "deepseek_v3",
         tmp_path_factory.mktemp("dsv3") / "v1",
         src="tp=2",
         dst=DST,
         namespace=NS,
-        engines={"ds": ("ds-r0", {"tp": 2})},
+        engines={},
         references={"ref": ("ds-ref", {"tp": 2})},
         reference_calls=3,
     ) as d:
-        spec = sync_spec(d.setup.model, NS, d.setup.src, [destination_ref("ds", NS, "ds-", DST)], "v1")
+        dst = [destination_ref("ds", shared.namespace, shared.prefix, DST)]
         yield {
             "setup": d.setup,
-            "engine": d.engines["ds"],
+            "engine": shared.handle,
+            "dummy": shared.dummy,
+            "dummy_kernels": shared.dummy_kernels,
             "ref": [c["ref"] for c in d.reference_calls],
             "ref_kernels": d.reference_kernels["ref"],
-            "spec": spec,
+            "spec": sync_spec(d.setup.model, NS, d.setup.src, dst, "v1"),
             "manifest": d.manifest,
+            "synced": False,
         }
+
+
+def _sync(deployment: dict[str, Any]) -> None:
+    """This module's sources' v1 into the engine (once per module: the tests after the first
+    find it synced)."""
+    coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
+    try:
+        report = coordinator.sync("v1")
+    finally:
+        coordinator.close()
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+    deployment["synced"] = True
 
 
 def test_engine_reports_the_mla_layout(deployment: dict[str, Any]) -> None:
@@ -82,13 +105,9 @@ BIAS = "e_score_correction_bias"  # staged and committed in vLLM's fp32 (widened
 def test_mla_sync_is_bit_identical_to_the_checkpoint_loaded_engine(deployment: dict[str, Any]) -> None:
     engine, ref, ref_kernels = deployment["engine"], deployment["ref"], deployment["ref_kernels"]
     assert all(r == ref[0] for r in ref)  # one prompt at a time, the reference repeats itself
-    dummy, dummy_kernels = generations([engine])[0], kernel_checksums(engine)
-    coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
-    try:
-        report = coordinator.sync("v1")
-    finally:
-        coordinator.close()
-    assert report.result is SyncResult.SUCCEEDED, report.failure
+    dummy, dummy_kernels = deployment["dummy"], deployment["dummy_kernels"]  # before any sync
+    assert kernel_checksums(engine) != ref_kernels  # the sync below has bytes to change
+    _sync(deployment)
     synced = [generations([engine])[0] for _ in range(SYNCED_CALLS)]
     kernels = kernel_checksums(engine)
     derived = [n for n in ref_kernels[0] if n.endswith(("W_UV", "W_UK_T", "_w_uv_packed", "_w_uk_packed"))]
@@ -102,7 +121,9 @@ def test_mla_sync_is_bit_identical_to_the_checkpoint_loaded_engine(deployment: d
 
 
 def test_mla_commits_the_exact_bytes_of_every_synced_tensor(deployment: dict[str, Any]) -> None:
-    engine = deployment["engine"]  # synced by the test above (module order)
+    engine = deployment["engine"]
+    if not deployment["synced"]:  # run alone: the engine may hold dummy or another module's weights
+        _sync(deployment)
     metas = ray.get(engine.ws_meta.remote())
     applied = [ray.get(engine.ws_rank_call.remote(i, "ws_checksums", ())) for i in range(len(metas))]
     for meta, got in zip(metas, applied, strict=True):

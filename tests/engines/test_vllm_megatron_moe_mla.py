@@ -22,7 +22,9 @@ against the source's fp32 checksum (a bf16 round trip as negative control). Prom
 generated one at a time: CPU MLA is not batch-invariant (docs/vllm.md).
 Negative control of generation: the destination's first call, on dummy weights, agrees with the
 oracle on no row.
-Only two engines run at a time: each case starts and stops its own pair.
+Only two engines run at a time. The Qwen3-MoE case starts and stops its own pair; the DeepSeek-V3
+destination is the session's shared dummy-weight engine (tests/engines/conftest.py `deepseek_tp2`,
+also synced by test_vllm_deepseek.py), whose dummy generation was recorded before any sync.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from tests.support.vllm_deploy import (
     sync_spec,
     wait_ready,
 )
-from tests.support.vllm_oracle import finish_oracles, start_oracles
+from tests.support.vllm_oracle import Oracles, finish_oracles, start_oracles
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-megatron-moe-mla"
@@ -88,6 +90,18 @@ def _build(trainers: list[Any], config: dict[str, Any], src: str) -> dict[str, A
     return {"built": built, "biases": biases, "reference": reference}
 
 
+def _oracle(
+    name: str, directory: Path, config: dict[str, Any], reference: dict[str, torch.Tensor], calls: int
+) -> Oracles:
+    """The checkpoint's model dir and the oracle engine of it, started in the background (only on
+    a reference-cache miss): `finish_oracles` has it generate `calls` times, report its kernel
+    checksums and stop."""
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_reference(reference, directory / "model.safetensors")
+    return start_oracles(str(directory), NS, {"ref": (f"ref-{name}", {"tp": 2})}, calls)
+
+
 @contextlib.contextmanager
 def _engines(
     name: str, directory: Path, config: dict[str, Any], reference: dict[str, torch.Tensor], calls: int
@@ -95,10 +109,7 @@ def _engines(
     """A dummy-weight engine and the oracle engine of the same config (started together, the
     oracle only on a reference-cache miss); the oracle generates `calls` times, reports its
     kernel checksums and is stopped before the body."""
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_reference(reference, directory / "model.safetensors")
-    oracles = start_oracles(str(directory), NS, {"ref": (f"ref-{name}", {"tp": 2})}, calls)
+    oracles = _oracle(name, directory, config, reference, calls)
     engine = start_replica(f"{name}-r0", NS, str(directory), tp=2)
     try:
         wait_ready([engine], timeout_s=800)
@@ -109,10 +120,11 @@ def _engines(
 
 
 def _sync_and_generate(
-    engine: Any, spec: Any, manifest: Any, calls: int
+    engine: Any, spec: Any, manifest: Any, calls: int, dummy: Generation | None = None
 ) -> tuple[Generation, list[Generation], float]:
-    """(dummy generation, the `calls` generations after the sync, sync seconds)."""
-    dummy = generations([engine])[0]
+    """(dummy generation, the `calls` generations after the sync, sync seconds). `dummy`: the
+    engine's generation on dummy weights, recorded before (a shared engine's), else measured now."""
+    dummy = generations([engine])[0] if dummy is None else dummy
     coordinator = Coordinator(spec, NullReporter(), manifest=manifest)
     try:
         started = time.monotonic()
@@ -134,6 +146,51 @@ def _check_layout(engine: Any, manifest: Any) -> dict[str, tuple[tuple[int, ...]
         shard = get_layout("vllm").shard(manifest, DST, meta.coord)
         assert got == {t.name: tuple(t.shape) for t in shard.tensors}, meta.coord
     return {t.name: (tuple(t.shape), t.dtype) for t in metas[0].tensors}
+
+
+def test_megatron_tp2_mla_deepseek_v3_into_vllm_tp2_is_bit_identical(
+    trainers: list[Any], deepseek_tp2: Any, tmp_path: Path
+) -> None:
+    case = _build(trainers, MLA, "tp=2")
+    built = case["built"]
+    assert case["biases"] == [1] * 4  # one MoE layer: its expert_bias set on every rank
+    manifest = build_manifest(built[0]["model_config"])
+    dtypes = built[0]["model_config"][TENSOR_DTYPES_KEY]
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert dtypes[bias] == "float32" and dtypes["model.layers.1.self_attn.kv_a_layernorm.weight"] == "float32"
+    assert set(case["reference"]) == {t.name for t in manifest.tensors}
+    b = case["reference"][bias]
+    assert not torch.equal(b, b.bfloat16().float())  # a bf16 round trip of the bias would show
+    oracles = _oracle("mla", tmp_path / "mla", MLA, case["reference"], 2)
+    try:
+        oracle = finish_oracles(oracles, timeout_s=800)["ref"]
+    finally:
+        stop_replicas(list(oracles.started.values()))
+    ref, ref_kernels = oracle["calls"], oracle["kernels"]
+    engine = deepseek_tp2.handle  # the session's shared engine (dummy, or another module's v1)
+    layout = _check_layout(engine, manifest)
+    assert layout["model.layers.1.self_attn.fused_qkv_a_proj.weight"] == ((704, 256), "bfloat16")
+    assert not any("W_UV" in n or "W_UK_T" in n for n in layout)  # derived, never synced
+    print("mla: engine reports", bias, layout[bias])
+    assert kernel_checksums(engine) != ref_kernels  # the sync below has bytes to change
+    dst = [destination_ref("mla", deepseek_tp2.namespace, deepseek_tp2.prefix, DST)]
+    spec = sync_spec(str(tmp_path / "mla"), NS, built[0]["spec"], dst, "v1")
+    dummy, after, seconds = _sync_and_generate(engine, spec, manifest, 2, deepseek_tp2.dummy)
+    version = ray.get(engine.weight_version.remote())
+    kernels = kernel_checksums(engine)
+    applied = [ray.get(engine.ws_rank_call.remote(i, "ws_checksums", ()))[bias] for i in range(2)]
+    print(f"mla: sync {seconds:.2f}s; rows equal to the oracle: {[rows_equal(x, ref[0]) for x in after]}")
+    assert ref[0] == ref[1]  # one prompt at a time, CPU MLA repeats itself
+    assert all(x == ref[0] for x in after)  # token ids and every logprob bit
+    assert kernels == ref_kernels  # derived W_UV / W_UK_T and packed weights included
+    assert sum(n.endswith(("W_UV", "W_UK_T", "_w_uv_packed", "_w_uk_packed")) for n in kernels[0]) == 4
+    # The bias only picks experts, so a narrowed copy could still generate the same: check the
+    # committed bytes (fp32, replicated on both ranks) against the source's, and a bf16 round
+    # trip of them (what a narrowing wire would have left) as the negative control.
+    assert applied == [hex_digest(checksum_tensor(b))] * 2
+    assert applied[0] != hex_digest(checksum_tensor(b.bfloat16().float()))
+    assert all(rows_equal(dummy, r) == 0 for r in ref)  # negative control: dummy weights differ
+    assert version == "v1"
 
 
 def test_megatron_tp2_ep2_qwen3_moe_into_vllm_tp2_is_bit_identical(
@@ -162,43 +219,4 @@ def test_megatron_tp2_ep2_qwen3_moe_into_vllm_tp2_is_bit_identical(
     assert ref[0] == ref[1]  # Qwen3-MoE on CPU repeats itself exactly
     assert synced == ref[1]  # token ids and every logprob bit
     assert rows_equal(dummy, ref[1]) == 0  # negative control: the dummy weights generate otherwise
-    assert version == "v1"
-
-
-def test_megatron_tp2_mla_deepseek_v3_into_vllm_tp2_is_bit_identical(
-    trainers: list[Any], tmp_path: Path
-) -> None:
-    case = _build(trainers, MLA, "tp=2")
-    built = case["built"]
-    assert case["biases"] == [1] * 4  # one MoE layer: its expert_bias set on every rank
-    manifest = build_manifest(built[0]["model_config"])
-    dtypes = built[0]["model_config"][TENSOR_DTYPES_KEY]
-    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
-    assert dtypes[bias] == "float32" and dtypes["model.layers.1.self_attn.kv_a_layernorm.weight"] == "float32"
-    assert set(case["reference"]) == {t.name for t in manifest.tensors}
-    b = case["reference"][bias]
-    assert not torch.equal(b, b.bfloat16().float())  # a bf16 round trip of the bias would show
-    with _engines("mla", tmp_path / "mla", MLA, case["reference"], 2) as (engine, ref, ref_kernels):
-        layout = _check_layout(engine, manifest)
-        assert layout["model.layers.1.self_attn.fused_qkv_a_proj.weight"] == ((704, 256), "bfloat16")
-        assert not any("W_UV" in n or "W_UK_T" in n for n in layout)  # derived, never synced
-        print("mla: engine reports", bias, layout[bias])
-        spec = sync_spec(
-            str(tmp_path / "mla"), NS, built[0]["spec"], [destination_ref("mla", NS, "mla-", DST)], "v1"
-        )
-        dummy, after, seconds = _sync_and_generate(engine, spec, manifest, 2)
-        version = ray.get(engine.weight_version.remote())
-        kernels = kernel_checksums(engine)
-        applied = [ray.get(engine.ws_rank_call.remote(i, "ws_checksums", ()))[bias] for i in range(2)]
-    print(f"mla: sync {seconds:.2f}s; rows equal to the oracle: {[rows_equal(x, ref[0]) for x in after]}")
-    assert ref[0] == ref[1]  # one prompt at a time, CPU MLA repeats itself
-    assert all(x == ref[0] for x in after)  # token ids and every logprob bit
-    assert kernels == ref_kernels  # derived W_UV / W_UK_T and packed weights included
-    assert sum(n.endswith(("W_UV", "W_UK_T", "_w_uv_packed", "_w_uk_packed")) for n in kernels[0]) == 4
-    # The bias only picks experts, so a narrowed copy could still generate the same: check the
-    # committed bytes (fp32, replicated on both ranks) against the source's, and a bf16 round
-    # trip of them (what a narrowing wire would have left) as the negative control.
-    assert applied == [hex_digest(checksum_tensor(b))] * 2
-    assert applied[0] != hex_digest(checksum_tensor(b.bfloat16().float()))
-    assert all(rows_equal(dummy, r) == 0 for r in ref)  # negative control: dummy weights differ
     assert version == "v1"
