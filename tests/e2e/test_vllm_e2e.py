@@ -54,7 +54,7 @@ from helpers import (
     wait_for,
 )
 from ray_cluster import RayCluster
-from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, WS, deployment, manifest, server_pods, wait_server_ready
+from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, WS, ReadyWatch, deployment, manifest, server_pods
 
 from sync_runtime.core.models import build_manifest
 from sync_runtime.engines.vllm_http import HttpControl
@@ -186,15 +186,17 @@ def stack(
     failed_before = request.session.testsfailed
     stack: Stack | None = None
     try:
+        # Watched from before the Deployment exists: the server may be Ready before the driver is done.
+        ready = ReadyWatch(kubectl)
         helm_s = _install(kubectl, helm, ray_cluster, work, model_dir, port)
         installed = True
         stdout, stderr = up.communicate(timeout=600)
         assert up.returncode == 0, f"vllm_driver up exited {up.returncode}:\n{stderr[-4000:]}"
         got = json.loads(stdout.strip().splitlines()[-1])
         refs = _references(oracles, got["reference"])
-        _, unready = wait_server_ready(kubectl)
+        unready, ready_at = ready.result()
         url = f"http://127.0.0.1:{port}"
-        ready_s = time.monotonic() - t0
+        ready_s = ready_at - t0
         label = HttpControl(url).version()
         stack = Stack(ray_cluster, f"{model_dir}/config.json", url, completions(url), refs, label, unready)
         stack.seconds["helm install (concurrent)"] = helm_s

@@ -5,6 +5,8 @@ for the server pod's readiness probe."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from helpers import condition, get_json, wait_for
@@ -107,3 +109,29 @@ def wait_server_ready(kubectl: Any) -> tuple[dict[str, Any], int]:
         return None
 
     return wait_for("the vllm serve pod Ready", ready, SERVER_READY_S, interval=1.0), unready
+
+
+class ReadyWatch(threading.Thread):
+    """`wait_server_ready` in the background (a daemon: a failed setup does not wait for it)."""
+
+    def __init__(self, kubectl: Any) -> None:
+        super().__init__(daemon=True)
+        self.kubectl = kubectl
+        self.unready, self.ready_at = 0, 0.0
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            _, self.unready = wait_server_ready(self.kubectl)
+            self.ready_at = time.monotonic()
+        except BaseException as e:  # re-raised by result()
+            self.error = e
+
+    def result(self) -> tuple[int, float]:
+        """(times seen running but not Ready, time.monotonic() when seen Ready)."""
+        self.join(SERVER_READY_S + 60)
+        if self.error is not None:
+            raise self.error
+        assert self.ready_at, "the readiness watch did not finish"
+        return self.unready, self.ready_at
