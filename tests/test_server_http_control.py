@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from sync_runtime.engines import vllm_http
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.errors import DestinationError
 
@@ -76,6 +78,21 @@ def test_calls_of_one_control_share_one_connection(server: tuple[str, type[_Rout
     assert control.alive()
     assert len(routes.calls) == 12
     assert len(routes.connections) == 1  # a client per call would have opened 12
+
+
+def test_an_idle_connection_is_dropped_before_the_server_would_close_it(
+    server: tuple[str, type[_Routes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, routes = server
+    assert vllm_http.KEEPALIVE_S < 5.0  # vLLM's server closes idle connections after 5 s
+    monkeypatch.setattr(vllm_http, "KEEPALIVE_S", 0.2)
+    control = HttpControl(url)
+    control.version()
+    control.version()
+    assert len(routes.connections) == 1
+    time.sleep(0.5)  # idle longer than the client keeps a connection
+    assert control.version() == "v7"
+    assert len(routes.connections) == 2
 
 
 def test_concurrent_calls_from_threads(server: tuple[str, type[_Routes]]) -> None:

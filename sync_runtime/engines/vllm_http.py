@@ -18,6 +18,10 @@ from sync_runtime.transfer.spans import span
 TIMEOUT_S = 600.0
 """One route call: `init_weight_transfer_engine` sets every worker up; `update_weights` with
 `ws_commit` runs the apply."""
+KEEPALIVE_S = 2.0
+"""An idle kept-alive connection is dropped by the client after this, before vLLM's server
+closes it (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default): with equal limits a call could go out
+on a connection the server is closing at that moment and fail with a connection reset."""
 
 
 class HttpControl:
@@ -48,7 +52,8 @@ class HttpControl:
 
         with self._lock:
             if self._client is None:
-                self._client = httpx.Client(timeout=self.timeout_s)
+                limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+                self._client = httpx.Client(timeout=self.timeout_s, limits=limits)
             return self._client
 
     def close(self) -> None:
