@@ -9,9 +9,12 @@ demo passes (exit 0) only when every replica's token ids and logprobs equal the 
 bit, its dummy generation differs, and the bytes each rank applied are its layout shard.
 
 Runs in the engine environment (vLLM is imported by the replica actors): `make demo
-ARGS="--engine vllm"` picks it. Each prompt is generated alone (vLLM's CPU MLA kernels are not
-batch-invariant, see VllmReplica.generate). Refused: expert parallel (vLLM's CPU fused-MoE
-kernel crashes generating with it, docs/vllm.md), pipeline parallel (VllmReplica is PP 1).
+ARGS="--engine vllm"` picks it. With WEIGHTSYNC_REFERENCE_CACHE=1 the oracle's outputs come from
+the reference cache when it holds them for exactly this oracle (sync_runtime/testing/
+vllm_oracle_keys.py; the tests set it) and no oracle engine starts; a line says which. Each
+prompt is generated alone (vLLM's CPU MLA kernels are not batch-invariant, see
+VllmReplica.generate). Refused: expert parallel (vLLM's CPU fused-MoE kernel crashes generating
+with it, docs/vllm.md), pipeline parallel (VllmReplica is PP 1).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from sync_runtime.testing.vllm_deploy import (
     wait_ready,
 )
 from sync_runtime.testing.vllm_models import PROMPTS, model_dir_for, vllm_model_config
+from sync_runtime.testing.vllm_oracle_keys import DemoOracle, replica_oracle_key
 from sync_runtime.testing.weights import bits_to_torch, reference_weights, shard_arrays
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 
@@ -149,6 +153,10 @@ def _deploy_and_check(
     setup: DemoSetup, args: argparse.Namespace, console: Console, work: Path, address: str, started: float
 ) -> int:
     dst, model_dir = setup.dst, str(work / "reference-model")
+    # the oracle generates twice, as the replicas do (dummy weights, then synced): like with like
+    oracle = DemoOracle.look_up(
+        lambda: replica_oracle_key(model_dir, {"tp": dst.tp}, calls=2, kernel_checksums=False)
+    )
     console.print(
         f"[bold]WeightSync demo (vLLM engines)[/]: {setup.config['architectures'][0]} "
         f"({len(setup.manifest.tensors)} tensors, {human_bytes(setup.manifest.nbytes)} bf16), "
@@ -159,19 +167,28 @@ def _deploy_and_check(
         start_replica(f"{setup.dst_prefix}r{k}", setup.namespace, model_dir, tp=dst.tp, replica=k)
         for k in range(dst.replicas)
     ]
-    reference = start_replica("reference-engine", setup.namespace, model_dir, tp=dst.tp, load_format="auto")
+    reference = (
+        None
+        if oracle.cached
+        else start_replica("reference-engine", setup.namespace, model_dir, tp=dst.tp, load_format="auto")
+    )
+    engines = [*replicas, *([reference] if reference is not None else [])]
     try:
         create_participants(
             setup, src_version=VERSION, dst_version="-", skip=lambda c: c.role is Role.DESTINATION
         )
-        wait_ready([*replicas, reference])
+        wait_ready(engines)
         console.print(
-            f"  {setup.src.world_size} source actors and {dst.replicas + 1} vLLM engines ready "
+            f"  {setup.src.world_size} source actors and {len(engines)} vLLM engines ready "
             f"({time.monotonic() - started:.1f}s)"
         )
-        # Two calls, as the replicas make (dummy weights, then synced): compare like with like.
-        ref_runs = [generations([reference])[0] for _ in range(2)]
-        stop_replicas([reference])
+        if oracle.runs is not None:
+            ref_runs = oracle.runs
+        else:
+            assert reference is not None
+            ref_runs = oracle.keep([generations([reference])[0] for _ in range(2)])
+            stop_replicas([reference])
+        console.print(f"  {oracle.line()}", soft_wrap=True, highlight=False)
         ref = ref_runs[1]
         if ref_runs[0] != ref:
             console.print("  [yellow]the reference engine did not repeat itself; comparing 2nd calls[/]")
@@ -183,7 +200,7 @@ def _deploy_and_check(
             applied_checksums(setup, replicas, outcomes)
         return _conclude(setup, args, console, work, report, outcomes, ref, started)
     finally:
-        stop_replicas([*replicas, reference])
+        stop_replicas(engines)
         kill_participants(setup)
 
 

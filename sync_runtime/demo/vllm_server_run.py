@@ -17,7 +17,10 @@ Exit 0 only when every replica's generation after the syncs equals the reference
 for bit (token ids and logprobs), its dummy-weight generation differs on every row, the bytes each
 rank applied are its layout shard, no client request failed and at least one was in flight during
 a sync; otherwise exit 1 with one line naming the failed checks. The dump is the `--engine vllm`
-demo's plus serving.json and the servers' logs (server-logs/). Servers run in their own process
+demo's plus serving.json and the servers' logs (server-logs/). With WEIGHTSYNC_REFERENCE_CACHE=1
+the reference server's answers come from the reference cache when it holds them for exactly this
+server (sync_runtime/testing/vllm_oracle_keys.py; the tests set it): no reference server starts
+then, and a line says so. Servers run in their own process
 groups and are stopped on every exit (SIGTERM to the demo included).
 """
 
@@ -66,11 +69,14 @@ from sync_runtime.testing.cluster import (
 )
 from sync_runtime.testing.vllm_deploy import Generation, token_rows_equal
 from sync_runtime.testing.vllm_models import PROMPTS, vllm_model_config
+from sync_runtime.testing.vllm_oracle_keys import DemoOracle, server_oracle_key
 from sync_runtime.testing.vllm_server import Client, Server, completions, generate, launch, stop
 
 FIRST = "v0"
 """The first sync's version; the second is VERSION (v1), the reference checkpoint's."""
 SETTLE_TIMEOUT_S = 120.0
+WARMUPS = 1
+"""Warm-up requests per server before any generation is kept (part of the oracle's key)."""
 ENGINE_ENV_HINT = (
     'make demo ARGS="--engine vllm-server ..." (it runs in tools/vllm_env.sh\'s environment), or '
     "VE=$(bash tools/vllm_env.sh); $VE/bin/weightsync demo --engine vllm-server ..."
@@ -106,15 +112,21 @@ class Fleet:
     replicas: list[Server] = field(default_factory=list)
     reference: Server | None = None
     proxies: list[Any] = field(default_factory=list)
+    oracle: DemoOracle = field(default_factory=lambda: DemoOracle(None, "off"))
+    """Where the reference's answers come from: a cache hit starts no reference server."""
 
     def launch(self, model_dir: str, logs: Path, dst: ParallelSpec) -> None:
         """Every server boots in the background (one at a time they would take minutes longer)."""
         logs.mkdir(parents=True, exist_ok=True)
+        self.oracle = DemoOracle.look_up(
+            lambda: server_oracle_key(model_dir, tp=dst.tp, calls=2, warmups=WARMUPS)
+        )
         for k in range(dst.replicas):
             self.replicas.append(launch(model_dir, logs / f"replica-{k}.log", tp=dst.tp))
-        self.reference = launch(
-            model_dir, logs / "reference.log", tp=dst.tp, load_format="auto", backend=False
-        )
+        if not self.oracle.cached:
+            self.reference = launch(
+                model_dir, logs / "reference.log", tp=dst.tp, load_format="auto", backend=False
+            )
 
     def attach(self, setup: DemoSetup) -> None:
         """Healthy servers; one proxy per replica (discovery finds it by the destination prefix);
@@ -124,15 +136,18 @@ class Fleet:
             name = f"{setup.dst_prefix}r{k}"
             self.proxies.append(attach(name, setup.namespace, control, replica=k, ranks=setup.dst.tp))
         ray.get([p.ws_num_ranks.remote() for p in self.proxies], timeout=600)
-        assert self.reference is not None
-        for server in (*self.replicas, self.reference):
-            generate(server.wait(), PROMPTS[0], timeout_s=600)
+        for server in self.servers():
+            for _ in range(WARMUPS):
+                generate(server.wait(), PROMPTS[0], timeout_s=600)
+
+    def servers(self) -> list[Server]:
+        return [*self.replicas, *([self.reference] if self.reference else [])]
 
     def close(self) -> None:
         for p in self.proxies:
             with contextlib.suppress(Exception):
                 ray.kill(p)
-        for server in (*self.replicas, *([self.reference] if self.reference else [])):
+        for server in self.servers():
             stop(server.proc)
 
 
@@ -187,7 +202,7 @@ def _deploy_and_check(
         )
         fleet.attach(setup)
         console.print(
-            f"  {setup.src.world_size} source actors and {len(fleet.replicas) + 1} vLLM servers ready "
+            f"  {setup.src.world_size} source actors and {len(fleet.servers())} vLLM servers ready "
             f"({time.monotonic() - started:.1f}s)"
         )
         ref = _reference_generation(fleet, console)
@@ -205,10 +220,15 @@ def _deploy_and_check(
 
 
 def _reference_generation(fleet: Fleet, console: Console) -> Generation:
-    """The oracle's completions (twice: it must repeat itself), then its server is stopped."""
-    assert fleet.reference is not None
-    runs = [completions(fleet.reference.url) for _ in range(2)]
-    stop(fleet.reference.proc)  # its cores serve the replicas from here on
+    """The oracle's completions (twice: it must repeat itself), then its server is stopped; or
+    both calls from the reference cache (no server was started)."""
+    if fleet.oracle.runs is not None:
+        runs = fleet.oracle.runs
+    else:
+        assert fleet.reference is not None
+        runs = fleet.oracle.keep([completions(fleet.reference.url) for _ in range(2)])
+        stop(fleet.reference.proc)  # its cores serve the replicas from here on
+    console.print(f"  {fleet.oracle.line()}", soft_wrap=True, highlight=False)
     if runs[0] != runs[1]:
         console.print("  [yellow]the reference server did not repeat itself; comparing its 2nd call[/]")
     return runs[1]

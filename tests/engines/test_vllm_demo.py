@@ -2,7 +2,9 @@
 
 Two dummy-initialised TP 1 vLLM engines (TP 1: two worker processes in all, the least memory
 for two replicas) receive tiny Qwen3 from Megatron tp=2 sources; the demo's oracle is a third
-engine loaded by vLLM's own loader from DIR/reference.safetensors. Checked here from the files:
+engine loaded by vLLM's own loader from DIR/reference.safetensors, or its outputs from the
+reference cache (WEIGHTSYNC_REFERENCE_CACHE=1: started only when the cache does not hold them for
+exactly this oracle; the demo says which in one line). Checked here from the files:
 the reference checkpoint holds exactly the canonical weights, each replica's generation.json has
 the documented shape, equals the reference bit for bit, and its dummy-weight generation differs
 (negative control); the exit code is 0.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +31,17 @@ from sync_runtime.testing.weights import reference_weights
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 2
+ORACLE_LINE = re.compile(
+    r"oracle: (from the reference cache \(hit, no oracle engine started\)"
+    r"|computed by its engine \(reference cache (miss|refused)\), stored as): (\S+\.json)"
+)
 
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("vllm-demo") / "dump"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'operator'}", COLUMNS="160")
+    env["WEIGHTSYNC_REFERENCE_CACHE"] = "1"
     cmd = [sys.executable, "-m", "sync_runtime", "demo", "--engine", "vllm"]
     cmd += ["--dst", f"tp=1,replicas={REPLICAS}", "--dump", str(out), "--namespace", "vllm-demo-test"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
@@ -45,6 +53,19 @@ def test_demo_exits_zero_and_says_so(demo: tuple[subprocess.CompletedProcess[str
     proc, _ = demo
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert f"OK: {REPLICAS}/{REPLICAS} replica(s) generate bit-identically" in proc.stdout
+
+
+def test_the_demo_names_where_its_oracle_came_from(
+    demo: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, _ = demo
+    found = ORACLE_LINE.search(proc.stdout)
+    assert found is not None, proc.stdout[-4000:]
+    # a hit or a miss, the entry is there afterwards and holds both of the oracle's calls
+    entry = json.loads(Path(found[3]).read_text())
+    assert len(entry["value"]["calls"]) == 2 and entry["key"]["outputs"]["generate_calls"] == 2
+    engines = REPLICAS + (0 if found[1].startswith("from the reference cache") else 1)
+    assert f"and {engines} vLLM engines ready" in proc.stdout
 
 
 def test_reference_checkpoint_holds_the_canonical_weights(

@@ -2,7 +2,9 @@
 
 Two dummy-weight TP 1 `vllm serve` servers with the weightsync backend receive tiny Qwen3 from
 Megatron tp=2 sources in two syncs (v0, then v1) while a client per server keeps sending requests;
-the oracle is a third server loaded by vLLM's own loader from DIR/reference.safetensors (v1).
+the oracle is a third server loaded by vLLM's own loader from DIR/reference.safetensors (v1), or
+its answers from the reference cache (WEIGHTSYNC_REFERENCE_CACHE=1: that server is started only
+when the cache does not hold them for exactly it; the demo says which in one line).
 Checked here from the exit code and the files: each replica's generation.json (through
 `/v1/completions`) equals the reference bit for bit and its dummy-weight generation differs on
 every row (negative control); serving.json shows no failed request, requests in flight during the
@@ -40,6 +42,10 @@ ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 2
 DEMO_TIMEOUT_S = 700
 """Under the module's 900 s: on a timeout the demo gets SIGTERM and 120 s to stop its servers."""
+ORACLE_LINE = re.compile(
+    r"oracle: (from the reference cache \(hit, no oracle engine started\)"
+    r"|computed by its engine \(reference cache (miss|refused)\), stored as): (\S+\.json)"
+)
 
 
 @dataclass
@@ -55,6 +61,7 @@ class Run:
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("vllm-server-demo") / "dump"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'operator'}", COLUMNS="160")
+    env["WEIGHTSYNC_REFERENCE_CACHE"] = "1"
     cmd = [sys.executable, "-m", "sync_runtime", "demo", "--engine", "vllm-server"]
     cmd += ["--dst", f"tp=1,replicas={REPLICAS}", "--dump", str(out), "--namespace", "vllm-server-demo-test"]
     started = time.monotonic()
@@ -91,9 +98,27 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _oracle_cached(demo: Run) -> bool:
+    """Whether the reference's answers came from the cache (then no reference server ran)."""
+    found = ORACLE_LINE.search(demo.stdout)
+    assert found is not None, demo.stdout[-4000:]
+    return found[1].startswith("from the reference cache")
+
+
+def test_the_demo_names_where_its_oracle_came_from(demo: Run) -> None:
+    found = ORACLE_LINE.search(demo.stdout)
+    assert found is not None, demo.stdout[-4000:]
+    # a hit or a miss, the entry is there afterwards and holds both of the reference's calls
+    entry = json.loads(Path(found[3]).read_text())
+    assert len(entry["value"]["calls"]) == 2 and entry["key"]["engine"]["server"] == "vllm serve"
+    servers = REPLICAS + (0 if _oracle_cached(demo) else 1)
+    assert f"and {servers} vLLM servers ready" in demo.stdout
+
+
 def test_no_server_process_outlives_the_demo(demo: Run) -> None:
     logs = sorted((demo.out / "server-logs").iterdir())
-    assert [p.name for p in logs] == ["reference.log", *(f"replica-{k}.log" for k in range(REPLICAS))]
+    reference = [] if _oracle_cached(demo) else ["reference.log"]
+    assert [p.name for p in logs] == [*reference, *(f"replica-{k}.log" for k in range(REPLICAS))]
     for log in logs:
         found = {(kind, int(pid)) for kind, pid in SERVER_PID.findall(log.read_text())}
         assert {kind for kind, _ in found} == {"APIServer", "EngineCore", "Worker"}, log.name

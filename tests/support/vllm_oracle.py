@@ -18,20 +18,16 @@ import ray
 from sync_runtime.testing import reference_cache
 from sync_runtime.testing import vllm_deploy as _deploy
 from sync_runtime.testing.vllm_deploy import generations, stop_replicas, wait_ready
-from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
+from sync_runtime.testing.vllm_oracle_keys import replica_oracle_key
 
-SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "logprobs": 0, "one_at_a_time": True}
-"""How `generations` samples (greedy, each prompt alone): part of every key."""
+__all__ = ["Oracles", "finish_oracles", "oracle_key", "start_oracles"]
 
 
 def oracle_key(model_dir: str, engine: Mapping[str, Any], calls: int) -> dict[str, Any]:
     """The key of one oracle: `engine` are its start_replica arguments, `calls` how many times it
-    generates PROMPTS (0: kernel checksums only)."""
-    args = {"tp": 1, "ep": False, **engine, "load_format": "auto"}
-    outputs = {"generate_calls": calls, "kernel_checksums": True}
-    return reference_cache.oracle_key(
-        model_dir, engine=args, prompts=PROMPTS, sampling=SAMPLING, outputs=outputs
-    )
+    generates PROMPTS (0: kernel checksums only); its value holds the kernel checksums too.
+    Built by sync_runtime.testing.vllm_oracle_keys (the `--engine vllm` demo's key builder too)."""
+    return replica_oracle_key(model_dir, engine, calls, kernel_checksums=True)
 
 
 @dataclass
