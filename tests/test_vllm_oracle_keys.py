@@ -113,3 +113,19 @@ def test_an_entry_of_another_shape_is_refused(tmp_path: Path, monkeypatch: pytes
     reference_cache.store(key, {"not calls": 1})
     oracle = keys.DemoOracle.look_up(lambda: key, {keys.REFERENCE_CACHE_ENV: "1"})
     assert (oracle.status, oracle.cached) == ("refused", False)
+
+
+def test_the_example_oracles_key_follows_its_checkpoint_and_engine_code(tmp_path: Path) -> None:
+    """tests/support/megatron_example_oracle.py: the example's oracle (its own `Rollout`)."""
+    from tests.support.megatron_example_oracle import ORACLE_CODE, load_example, oracle_key
+
+    example = load_example()
+    config = dict(example.HF_CONFIG)
+    base = oracle_key(example, _model(tmp_path / "a", config=config))
+    assert base == oracle_key(example, _model(tmp_path / "b", config=config))
+    assert base != oracle_key(example, _model(tmp_path / "w", b"weights-v2", config=config))
+    assert base["prompts"] == example.PROMPTS and "PYTHONPATH" not in base["engine"]["env"]
+    # an edit of the code that starts or asks the oracle is another key
+    assert "run_engine" in ORACLE_CODE
+    example.run_engine = lambda model_dir, load_format: None
+    assert oracle_key(example, _model(tmp_path / "a", config=config)) != base
