@@ -14,6 +14,7 @@ Before any byte moves the rank checks itself against the layout and raises `Layo
 the tensor: a name no rule knows (for example a TE-only tensor in a local-spec layout), a shape
 or dtype the layout does not expect, a vocabulary not padded to a multiple of 128·tp, layers
 whose `layer_number` is not where the PP/VPP split puts them, experts not where EP puts them.
+Families this source cannot serve (`MEGATRON_SOURCE_REFUSES`) are refused first, in one line.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from sync_runtime.core.layouts._rules import round_up
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.layouts.megatron import NAME, TE_NAME, VOCAB_MULTIPLE_PER_TP, chunk_ranges
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest, model_dims
+from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest, model_dims, model_family
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines.megatron_names import LiveTensor, layer_numbers, live_tensors, unwrap
 from sync_runtime.errors import LayoutError
@@ -38,6 +39,31 @@ from sync_runtime.runtime.participant import WeightSyncParticipant, dtype_name
 LAYOUTS_BY_SPEC = (NAME, TE_NAME)
 """Megatron-Core's local spec first: on a tie (no stray names either way) it wins."""
 _VOCAB_TENSORS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+MEGATRON_SOURCE_REFUSES: dict[str, str] = {
+    # Evidence (megatron-core 0.19.2): transformer/transformer_layer.py TransformerLayerSubmodules
+    # has input_layernorm, pre_cross_attn_layernorm and pre_mlp_layernorm only; torch_norm.py
+    # WrappedTorchNorm asserts not layernorm_zero_centered_gamma; LanguageModelEmbedding scales
+    # only for MuP; GPTModel has one rotary_base for every layer.
+    "gemma3_text": "Megatron-Core 0.19.2 has no Gemma 3 layer: TransformerLayer has no norm after "
+    "attention or after the MLP (post_attention/pre_feedforward/post_feedforward sandwich norms), "
+    "and the local spec's norm refuses (1+w) RMSNorm (layernorm_zero_centered_gamma)",
+    # Megatron-Core 0.19.2 itself builds gpt-oss (softmax_type="learnable" sinks as
+    # core_attention.softmax_offset, add_bias_linear for biased q/k/v/o, router and experts,
+    # quick_gelu with glu_linear_offset=1 and activation_func_clamp_value=7): what is missing
+    # is ours, a megatron layout rule (layouts/_rules.py NO_MEGATRON_RULE).
+    "gpt_oss": "no megatron layout rule for gpt-oss: its checkpoint's fused experts "
+    "(E, H, 2Im, gate/up interleaved) are a strided transpose of Megatron's per-expert "
+    "linear_fc1 [gate; up], not a box (Megatron-Core 0.19.2 itself builds the model)",
+}
+"""Family -> why a Megatron-Core source refuses it (one line; docs/design.md §4.2)."""
+
+
+def refuse_unsupported_family(hf_config: Mapping[str, Any]) -> None:
+    """LayoutError naming the family and what is missing, for a family the source cannot serve."""
+    family = model_family(dict(hf_config))
+    if family in MEGATRON_SOURCE_REFUSES:
+        raise LayoutError(f"{NAME}: {family}: {MEGATRON_SOURCE_REFUSES[family]}")
 
 
 def megatron_coord() -> tuple[RankCoord, ParallelSpec]:
@@ -81,6 +107,7 @@ class MegatronSource:
         """`hf_config`: the config.json of the checkpoint this model trains (canonical names).
         `layer_counts`: per-stage layer counts when the PP split is uneven (Megatron's explicit
         first/last-stage sizes). `gather_dtypes=False` skips the collective (single rank tests)."""
+        refuse_unsupported_family(hf_config)  # before any Megatron state is read
         self.chunks = unwrap(model)
         self.coord, spec = megatron_coord()
         self.spec = ParallelSpec(**{**_spec_fields(spec), "layer_counts": layer_counts})

@@ -8,6 +8,7 @@ check what a sync delivered against its output, so a wrong layout rule cannot hi
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from sync_runtime.core.models import model_dims
+from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES
 from sync_runtime.engines.megatron_names import LiveTensor
 
 
@@ -104,11 +106,24 @@ _NORMS = {
 }
 
 
-def _mlp(out: dict[str, torch.Tensor], hf: str, fc1: torch.Tensor | None, fc2: torch.Tensor | None) -> None:
+# Dense MLP and shared experts: linear_fc{1,2}.{weight,bias} (biases: Llama's mlp_bias).
+_DENSE_FC = re.compile(r"^(?P<block>mlp\.(?:shared_experts\.)?)(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)$")
+# A routed MoE block's tensors in the Qwen/DeepSeek form the rules above produce.
+_MOE_TENSOR = re.compile(r"^(?P<layer>model\.layers\.\d+\.)mlp\.(?P<rest>gate\.weight|experts\.\d+\..+)$")
+
+
+def _mlp(
+    out: dict[str, torch.Tensor],
+    hf: str,
+    fc1: torch.Tensor | None,
+    fc2: torch.Tensor | None,
+    kind: str = "weight",
+) -> None:
+    """fc1 = [gate; up] rows (weight or, with Llama's mlp_bias, bias), fc2 = down."""
     if fc1 is not None:
-        out[hf + "gate_proj.weight"], out[hf + "up_proj.weight"] = fc1.chunk(2, dim=0)
+        out[f"{hf}gate_proj.{kind}"], out[f"{hf}up_proj.{kind}"] = fc1.chunk(2, dim=0)
     if fc2 is not None:
-        out[hf + "down_proj.weight"] = fc2
+        out[f"{hf}down_proj.{kind}"] = fc2
 
 
 def _layer_tensor(
@@ -123,10 +138,9 @@ def _layer_tensor(
         kind = rest.rpartition(".")[2]
         for x, part in zip("qkv", qkv(t), strict=True):
             out[f"{h}self_attn.{x}_proj.{kind}"] = part
-    elif rest in ("mlp.linear_fc1.weight", "mlp.shared_experts.linear_fc1.weight"):
-        _mlp(out, h + rest.removesuffix("linear_fc1.weight"), t, None)
-    elif rest in ("mlp.linear_fc2.weight", "mlp.shared_experts.linear_fc2.weight"):
-        _mlp(out, h + rest.removesuffix("linear_fc2.weight"), None, t)
+    elif (m := _DENSE_FC.match(rest)) is not None:
+        fc1 = t if m["fc"] == "linear_fc1" else None
+        _mlp(out, h + m["block"], fc1, None if fc1 is not None else t, m["kind"])
     elif rest.startswith("mlp.experts."):
         tail = rest.removeprefix("mlp.experts.").removeprefix("local_experts.")
         if tail[0].isdigit():  # local spec: {e}.linear_fc{1,2}.weight
@@ -162,4 +176,24 @@ def to_hf(full: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dic
             _layer_tensor(out, f"model.layers.{index}.", rest, t, qkv, d.mla)
         else:
             raise ValueError(f"{name!r}: no HF counterpart known")
-    return out
+    return _checkpoint_moe_names(out, d.family)
+
+
+def _checkpoint_moe_names(out: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:
+    """Routed MoE tensors under the family's own checkpoint names (MOE_CHECKPOINT_NAMES, the
+    table the manifest uses: Mixtral's `block_sparse_moe.gate`, `experts.{e}.w1` = gate_proj...)."""
+    if family not in MOE_CHECKPOINT_NAMES:
+        return out
+    block, own = MOE_CHECKPOINT_NAMES[family]
+    suffix = {canon: ckpt for ckpt, canon in own.items()}
+    renamed = {}
+    for name, t in out.items():
+        m = _MOE_TENSOR.match(name)
+        if m is not None:
+            tail = m["rest"]
+            if tail != "gate.weight":  # experts.{e}.{canonical suffix}
+                _, e, canon = tail.split(".", 2)
+                tail = f"experts.{e}.{suffix[canon]}"
+            name = f"{m['layer']}{block}{tail}"
+        renamed[name] = t
+    return renamed

@@ -1,13 +1,16 @@
 """Real Megatron-Core GPT models from a Hugging Face config, on CPU over gloo (demo, tests, bench).
 
-`megatron_config` maps the config.json fields of the three supported families (llama/qwen2/
-qwen3, qwen3_moe, deepseek_v3) onto a TransformerConfig for the local spec; `build_chunks`
-builds one GPTModel per VPP chunk with Megatron's seeded initialisation. The CPU workarounds
-live in `sync_runtime.engines.megatron_cpu`.
+`megatron_config` maps the config.json fields of the families Megatron-Core builds (llama/
+qwen2/qwen3 with or without Llama's mlp_bias, qwen3_moe, mixtral, glm4_moe, deepseek_v3) onto a
+TransformerConfig for the local spec; `build_chunks` builds one GPTModel per VPP chunk with
+Megatron's seeded initialisation. gemma3_text and gpt_oss are refused in one line
+(engines.megatron.MEGATRON_SOURCE_REFUSES says why). The CPU workarounds live in
+`sync_runtime.engines.megatron_cpu`.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,6 +22,7 @@ from sync_runtime.core.layouts.megatron import VOCAB_MULTIPLE_PER_TP
 from sync_runtime.core.models import ModelDims, model_dims
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines import megatron_cpu
+from sync_runtime.engines.megatron import refuse_unsupported_family
 from sync_runtime.errors import TopologyError
 
 
@@ -43,20 +47,27 @@ def init_parallel(spec: ParallelSpec, seed: int, *, default_etp: bool = False) -
     torch.manual_seed(seed)
 
 
+SIGMOID_ROUTER_SCALE: dict[str, float] = {"deepseek_v3": 2.5, "glm4_moe": 1.0}
+"""Families routing by sigmoid scores (noaux_tc: no aux loss, top-k renormalised, then scaled by
+`routed_scaling_factor`), with HF's default factor. Others (qwen3_moe, mixtral) route softmax over
+the top-k logits, which equals HF's softmax -> top-k -> renormalise."""
+
+
 def _moe(d: ModelDims, config: Mapping[str, Any]) -> dict[str, Any]:
-    ds = d.family == "deepseek_v3"
+    sigmoid = d.family in SIGMOID_ROUTER_SCALE
+    scale = float(config.get("routed_scaling_factor") or SIGMOID_ROUTER_SCALE[d.family]) if sigmoid else None
     kw: dict[str, Any] = {
         **megatron_cpu.CPU_MOE_CONFIG,
         "num_moe_experts": d.num_experts,
         "moe_ffn_hidden_size": d.moe_intermediate,
         "moe_router_topk": int(config.get("num_experts_per_tok") or 2),
         "moe_layer_freq": [1 if i in d.moe_layers else 0 for i in range(d.num_layers)],
-        "moe_router_load_balancing_type": "none" if ds else "aux_loss",
-        "moe_aux_loss_coeff": 0.0 if ds else 1e-2,
+        "moe_router_load_balancing_type": "none" if sigmoid else "aux_loss",
+        "moe_aux_loss_coeff": 0.0 if sigmoid else 1e-2,
         "moe_router_enable_expert_bias": d.expert_bias,
-        "moe_router_score_function": "sigmoid" if ds else "softmax",
+        "moe_router_score_function": "sigmoid" if sigmoid else "softmax",
         "moe_router_pre_softmax": False,
-        "moe_router_topk_scaling_factor": float(config.get("routed_scaling_factor") or 2.5) if ds else None,
+        "moe_router_topk_scaling_factor": scale,
     }
     if d.expert_bias:
         kw["moe_router_bias_update_rate"] = 1e-3
@@ -88,6 +99,7 @@ def megatron_config(
     default_etp: bool = False,
 ) -> Any:
     """The TransformerConfig (MLATransformerConfig for deepseek_v3) of an HF config."""
+    refuse_unsupported_family(config)  # before Megatron is imported
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     d = model_dims(dict(config))
@@ -147,7 +159,10 @@ def _layer_spec(d: ModelDims, tconfig: Any, vp_stage: int | None) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     if not (d.moe_layers or d.mla):
-        return get_gpt_layer_local_spec(qk_layernorm=d.qk_norm, normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(qk_layernorm=d.qk_norm, normalization="RMSNorm")
+        if d.mlp_bias:  # Llama's mlp_bias: biases in the MLP only (add_bias_linear is global)
+            spec.submodules.mlp.module = biased_mlp()
+        return spec
     spec = get_gpt_decoder_block_spec(
         tconfig, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
     )
@@ -156,6 +171,20 @@ def _layer_spec(d: ModelDims, tconfig: Any, vp_stage: int | None) -> Any:
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = attention
     return spec
+
+
+def biased_mlp() -> type:
+    """Megatron's MLP with `add_bias_linear` on for its own two linears only: the config flag
+    would also bias linear_qkv and linear_proj, which a Llama with mlp_bias does not have."""
+    from megatron.core.transformer.mlp import MLP
+
+    class BiasedMLP(MLP):
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            own = copy.copy(config)  # a shallow copy: __post_init__ is not rerun
+            own.add_bias_linear = True
+            super().__init__(own, *args, **kwargs)
+
+    return BiasedMLP
 
 
 def build_chunks(
@@ -184,6 +213,8 @@ def build_chunks(
                     share_embeddings_and_output_weights=d.tie_embeddings,
                     position_embedding_type="rope",
                     rotary_base=int(config.get("rope_theta") or 10000),
+                    # GLM-4.5 rotates the first partial_rotary_factor of each head (rotate-half).
+                    rotary_percent=float(config.get("partial_rotary_factor") or 1.0),
                     vp_stage=vp_stage,
                 )
             )
