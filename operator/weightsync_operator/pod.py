@@ -47,10 +47,15 @@ def runtime_pod_name(ws_name: str) -> str:
 def topology_hash(spec: WeightSyncSpec) -> str:
     """Digest of everything whose change needs a new runtime pod.
 
-    spec.version is left out (the long-lived runtime picks a new version up through its watch)
-    and so is spec.retry (only the operator reads it).
+    spec.version is left out (the long-lived runtime picks a new version up through its watch),
+    and so are destinations[].pause (the runtime gives its kept server proxies the mode of each
+    new spec: engines/vllm_servers.py) and spec.retry (only the operator reads it). A new pod for
+    a change the runtime takes up itself would cost a runtime start and race the running pod's
+    sync of the same change.
     """
     data = spec.model_dump(by_alias=True, mode="json", exclude={"version", "retry"})
+    for dest in data["destinations"]:
+        dest.pop("pause", None)
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -48,6 +48,12 @@ LIVENESS_S = 2.0
 """While waiting for an answer, how often the engine's liveness is checked."""
 
 
+def _pause_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise DestinationError(f"pause mode {mode!r}: expected one of {', '.join(PAUSE_MODES)}")
+    return mode
+
+
 class EngineControl(Protocol):
     """vLLM's public weight-transfer control surface of one engine."""
 
@@ -149,9 +155,7 @@ class VllmEngineRanks(RankBatcher):
     ) -> None:
         import ray
 
-        if pause not in PAUSE_MODES:
-            raise DestinationError(f"pause mode {pause!r}: expected one of {', '.join(PAUSE_MODES)}")
-        self._control, self._pause_mode = control, pause
+        self._control, self._pause_mode = control, _pause_mode(pause)
         self._host = host or ray.util.get_node_ip_address()
         self._store = dist.TCPStore(self._host, 0, is_master=True, wait_for_workers=False)
         self._store_lock = threading.Lock()
@@ -185,6 +189,13 @@ class VllmEngineRanks(RankBatcher):
 
     def ws_meta(self) -> list[ParticipantMeta]:
         return [value(r) for r in self._rpc("ws_meta", {i: () for i in range(self._ranks)})]
+
+    def ws_set_pause_mode(self, mode: str) -> None:
+        """The mode of the next pauses: the attacher keeps a proxy across syncs, and a spec whose
+        `pause` changed must reach it (engines/vllm_servers.py)."""
+        checked = _pause_mode(mode)
+        with self._state:
+            self._pause_mode = checked
 
     def pause_seconds(self) -> list[float]:
         """Seconds each apply held generation paused, in order (apart from transfer time)."""

@@ -6,8 +6,9 @@ refuses a replica count or a server world size that differs from the declared pa
 line naming the pod, and keeps one proxy actor per server process at its replica index (pod uid,
 container restarts, index): a proxy whose pod is gone, replaced (new uid), restarted (its
 container's restart count grew) or moved to another index is killed and a new one attached, so
-a restarted server joins the next sync. The proxies are owned by this process (not detached):
-they end with the runtime.
+a restarted server joins the next sync. A kept proxy is given the spec's pause mode when that
+changed (a `kubectl patch` of `pause` applies from the next sync). The proxies are owned by this
+process (not detached): they end with the runtime.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ class ServerAttacher:
         self.namespace, self.weightsync = namespace, weightsync
         self._list, self._timeout_s = list_pods, timeout_s
         self._proxies: dict[str, dict[tuple[str, int, int], tuple[str, Any]]] = {}
+        self._modes: dict[str, str] = {}
+        """The pause mode each held proxy (by actor name) was last given."""
 
     def __call__(self, ref: DeploymentRef) -> str:
         conf = ref.vllm_servers
@@ -70,16 +73,32 @@ class ServerAttacher:
         held = self._proxies.setdefault(ref.name, {})
         wanted = {e.instance for e in found}
         for key in [k for k in held if k not in wanted]:
+            self._modes.pop(held[key][0], None)
             _kill(held.pop(key))
         prefix = proxy_prefix(self.weightsync, ref.name)
         for e in found:
             key = e.instance
             if key in held and _alive(held[key][1]):
+                self._keep_pause_mode(held[key], ref.pause_mode)
                 continue
             if key in held:
                 _kill(held.pop(key))
             held[key] = self._attach(ref, e, prefix)
+            self._modes[held[key][0]] = ref.pause_mode
         return prefix
+
+    def _keep_pause_mode(self, entry: tuple[str, Any], mode: str) -> None:
+        """A kept proxy takes the spec's pause mode: a spec change (e.g. `kubectl patch` of
+        destinations[].pause) reaches the runtime's next sync through the same proxy."""
+        name, handle = entry
+        if self._modes.get(name) == mode:
+            return
+        try:
+            ray.get(handle.ws_set_pause_mode.remote(mode), timeout=self._timeout_s)
+        except ray.exceptions.RayError as err:
+            raise DiscoveryError(f"proxy {name}: pause mode {mode}: {describe_unexpected(err)}") from err
+        self._modes[name] = mode
+        log.info("%s: pause %s", name, mode)
 
     def close(self) -> None:
         """End every proxy this attacher holds (they also end with this process)."""
@@ -87,6 +106,7 @@ class ServerAttacher:
             for entry in held.values():
                 _kill(entry)
         self._proxies.clear()
+        self._modes.clear()
 
     def _attach(self, ref: DeploymentRef, e: ServerEndpoint, prefix: str) -> tuple[str, Any]:
         where = f"deployment {ref.name!r}: vLLM server pod {e.pod} ({e.url})"
