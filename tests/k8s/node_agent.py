@@ -684,6 +684,8 @@ class NodeAgent:
         if kind == "ERROR" or spec.get("schedulerName", "default-scheduler") != "default-scheduler":
             return
         if not spec.get("nodeName"):
+            if not self._fits(spec):
+                return  # as the scheduler would: a pod whose nodeSelector names other labels stays Pending
             body = {
                 "apiVersion": "v1",
                 "kind": "Binding",
@@ -709,13 +711,20 @@ class NodeAgent:
             runner = self.runners[uid] = PodRunner(self, pod)
             runner.start()
 
+    def _labels(self) -> dict[str, str]:
+        return {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux"}
+
+    def _fits(self, spec: Obj) -> bool:
+        labels = self._labels()
+        return all(labels.get(k) == v for k, v in (spec.get("nodeSelector") or {}).items())
+
     def _register(self) -> None:
         node = {
             "apiVersion": "v1",
             "kind": "Node",
             "metadata": {
                 "name": self.node,
-                "labels": {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux"},
+                "labels": self._labels(),
             },
             "status": self._node_status(),
         }
