@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,11 @@ REFERENCE_CACHE_ENV = "WEIGHTSYNC_REFERENCE_CACHE"
 SERVER_CODE = ("serve_args", "serve_env", "generate", "complete", "completions")
 """The functions of sync_runtime/testing/vllm_server.py that shape a server oracle's answers:
 how the server is started (its arguments, its environment) and how it is asked."""
+ORACLE_LINE = re.compile(
+    r"oracle: (?P<source>from the reference cache \(hit, no oracle engine started\)"
+    r"|computed by its engine \(reference cache (?:miss|refused), stored\)): (?P<path>\S+\.json)"
+)
+"""`DemoOracle.line` with the cache on (the demo tests read it): a hit, or a miss just stored."""
 TUNING_ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_")
 """Inherited environment variables that may steer a demo oracle's kernels (thread counts and
 binding, vLLM's CPU backend settings): their values are part of the demos' keys."""
@@ -133,4 +139,4 @@ class DemoOracle:
         path = reference_cache.entry_path(self.key)
         if self.status == "hit":
             return f"oracle: from the reference cache (hit, no oracle engine started): {path}"
-        return f"oracle: computed by its engine (reference cache {self.status}), stored as {path}"
+        return f"oracle: computed by its engine (reference cache {self.status}, stored): {path}"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +25,12 @@ from safetensors.torch import load_file
 
 from sync_runtime.core.models import build_manifest
 from sync_runtime.testing.vllm_models import CONFIGS
+from sync_runtime.testing.vllm_oracle_keys import ORACLE_LINE
 from sync_runtime.testing.weights import reference_weights
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 2
-ORACLE_LINE = re.compile(
-    r"oracle: (from the reference cache \(hit, no oracle engine started\)"
-    r"|computed by its engine \(reference cache (miss|refused)\), stored as): (\S+\.json)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +58,9 @@ def test_the_demo_names_where_its_oracle_came_from(
     found = ORACLE_LINE.search(proc.stdout)
     assert found is not None, proc.stdout[-4000:]
     # a hit or a miss, the entry is there afterwards and holds both of the oracle's calls
-    entry = json.loads(Path(found[3]).read_text())
+    entry = json.loads(Path(found["path"]).read_text())
     assert len(entry["value"]["calls"]) == 2 and entry["key"]["outputs"]["generate_calls"] == 2
-    engines = REPLICAS + (0 if found[1].startswith("from the reference cache") else 1)
+    engines = REPLICAS + (0 if found["source"].startswith("from the reference cache") else 1)
     assert f"and {engines} vLLM engines ready" in proc.stdout
 
 

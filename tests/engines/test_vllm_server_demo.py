@@ -35,6 +35,7 @@ from sync_runtime.demo.vllm_run import Outcome
 from sync_runtime.demo.vllm_server_run import failed_checks
 from sync_runtime.schema.report import SyncReport
 from sync_runtime.testing.vllm_models import CONFIGS
+from sync_runtime.testing.vllm_oracle_keys import ORACLE_LINE
 from sync_runtime.testing.weights import reference_weights
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -42,10 +43,6 @@ ROOT = Path(__file__).resolve().parents[2]
 REPLICAS = 2
 DEMO_TIMEOUT_S = 700
 """Under the module's 900 s: on a timeout the demo gets SIGTERM and 120 s to stop its servers."""
-ORACLE_LINE = re.compile(
-    r"oracle: (from the reference cache \(hit, no oracle engine started\)"
-    r"|computed by its engine \(reference cache (miss|refused)\), stored as): (\S+\.json)"
-)
 
 
 @dataclass
@@ -102,14 +99,14 @@ def _oracle_cached(demo: Run) -> bool:
     """Whether the reference's answers came from the cache (then no reference server ran)."""
     found = ORACLE_LINE.search(demo.stdout)
     assert found is not None, demo.stdout[-4000:]
-    return found[1].startswith("from the reference cache")
+    return found["source"].startswith("from the reference cache")
 
 
 def test_the_demo_names_where_its_oracle_came_from(demo: Run) -> None:
     found = ORACLE_LINE.search(demo.stdout)
     assert found is not None, demo.stdout[-4000:]
     # a hit or a miss, the entry is there afterwards and holds both of the reference's calls
-    entry = json.loads(Path(found[3]).read_text())
+    entry = json.loads(Path(found["path"]).read_text())
     assert len(entry["value"]["calls"]) == 2 and entry["key"]["engine"]["server"] == "vllm serve"
     servers = REPLICAS + (0 if _oracle_cached(demo) else 1)
     assert f"and {servers} vLLM servers ready" in demo.stdout
