@@ -25,6 +25,13 @@ demo:
 # The project venv never collects the vLLM files: one --ignore-glob per pattern. pytest exits 5
 # when a tier selects no test, which fails the target like any other failure.
 VLLM_TESTS := tests/engines/test_vllm* tests/e2e/test_vllm*
+# `make test` runs the vLLM files in two parts, one per lane (tools/test_lanes.sh): part b, whole
+# programs that share no engine with another module, runs after the venv tiers so the two lanes
+# end together. `make test-vllm` alone runs every file (VLLM_PART=all).
+VLLM_ALL := $(wildcard tests/engines/test_vllm*.py tests/e2e/test_vllm*.py)
+VLLM_PART_B := tests/e2e/test_vllm_e2e.py tests/engines/test_vllm_examples.py
+VLLM_PART ?= all
+VLLM_FILES = $(if $(filter a,$(VLLM_PART)),$(filter-out $(VLLM_PART_B),$(VLLM_ALL)),$(if $(filter b,$(VLLM_PART)),$(VLLM_PART_B),$(VLLM_ALL)))
 NO_VLLM := $(foreach g,$(VLLM_TESTS),--ignore-glob='$(g)')
 # Every tier reports its 15 slowest phases, so each run (CI's included) shows where the time goes.
 PYTEST := python -m pytest -q -ra --durations=15
@@ -47,7 +54,7 @@ test-engines:
 	@rc=0; $(MAKE) --no-print-directory test-vllm || rc=1; $(MAKE) --no-print-directory test-megatron || rc=1; exit $$rc
 
 test-vllm: k8s-bins
-	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/$(PYTEST) -p no:cacheprovider $(VLLM_TESTS) $(ARGS)
+	@VE=$$(bash tools/vllm_env.sh); $$VE/bin/$(PYTEST) -p no:cacheprovider $(VLLM_FILES) $(ARGS)
 
 test-megatron:
 	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m "engines and not vllm" $(NO_VLLM) $(ARGS)
