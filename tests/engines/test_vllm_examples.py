@@ -51,6 +51,7 @@ def test_megatron_to_vllm_example_generates_as_the_checkpoint_after_the_sync() -
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-5000:]
     oracle = ORACLE_LINE.search(out)
     assert oracle is not None, out
+    print(oracle[0])  # hit or miss, for the log (Ray's workers' lines fill the output's tail)
     assert Path(oracle[3]).is_file()  # a hit, or a miss stored
     assert re.search(r"^synced step-0: [1-9][\d.]* MB in ", out, re.M), out
     assert "before the sync: 0/4 prompts generate as the checkpoint" in out, out
