@@ -16,12 +16,19 @@ version, started only when the reference cache lacks its outputs
 (sync_runtime/testing/reference_cache.py); generation is greedy through `/v1/completions`
 (prompt token ids, the chosen tokens' logprobs), compared as token ids and logprobs, bit for bit.
 
-During each of three syncs (`kubectl apply` of v1; after a training step each, `kubectl patch`
-of spec.version to v2, then back to v1) a client sends requests one after another, alternately
-to `/v1/completions` and `/inference/v1/generate` (whose outputs carry the weight versions they
-were sampled with): no request may fail, and the status shows the replica serving the version
-with its pause seconds. The generation compared with the oracle is taken with the client stopped (a
-row's logprob bits may depend on what shares its engine step).
+During each of three syncs (`kubectl apply` of v1 with `pause: keep`; after a training step
+each, one `kubectl patch` of spec.version to v2 and destinations[0].pause to `wait`, then back to
+v1 with `abort`) a client sends requests one after another, alternately to `/v1/completions` and
+`/inference/v1/generate` (whose outputs carry the weight versions they were sampled with)
+(tests/e2e/vllm_client.py): no request may fail; one that the pause of mode `abort` cut short
+(finish_reason "abort") is counted apart. During the two patched syncs long streamed requests run
+back to back besides, so that one is in flight when the server pauses: under `wait` every one runs
+to its length, under `abort` the one in flight ends with "abort" and fewer tokens. The server's
+access log shows it was paused with the spec's mode, and only with it, in each sync (the patched
+mode reaches the running runtime pod's kept proxy; the operator keeps that pod). The status and
+the runtime's last report show the replica serving the version with its pause seconds. The
+generation compared with the oracle is taken with the clients stopped (a row's logprob bits may
+depend on what shares its engine step).
 
 Runs in `make test-engines` (vllm, Ray and this project in the engine env; `make test`'s
 project venv has no vLLM and ignores this file). The Ray side runs in subprocess drivers
@@ -35,7 +42,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,12 +61,13 @@ from helpers import (
     wait_for,
 )
 from ray_cluster import RayCluster
+from vllm_client import LONG_TOKENS, Served, serving_sync
 from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, WS, ReadyWatch, deployment, manifest, server_pods
 
 from sync_runtime.core.models import build_manifest
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.testing import reference_cache
-from sync_runtime.testing.vllm_server import Client, completions
+from sync_runtime.testing.vllm_server import completions
 from tests.support.vllm_deploy import CONFIGS, rows_equal, write_model
 from tests.support.vllm_oracle import oracle_key
 
@@ -85,6 +93,7 @@ class Stack:
     initial_label: str
     unready_while_running: int
     """Times the server pod was seen running but not Ready (its probe failing while vLLM starts)."""
+    server_log: Callable[[], str]
     seconds: dict[str, float] = field(default_factory=dict)
 
     def train(self, version: str) -> None:
@@ -198,7 +207,10 @@ def stack(
         url = f"http://127.0.0.1:{port}"
         ready_s = ready_at - t0
         label = HttpControl(url).version()
-        stack = Stack(ray_cluster, f"{model_dir}/config.json", url, completions(url), refs, label, unready)
+        (pod,) = server_pods(kubectl)
+        log = lambda: node_agent.logs(NS, pod["metadata"]["name"])  # noqa: E731
+        config = f"{model_dir}/config.json"
+        stack = Stack(ray_cluster, config, url, completions(url), refs, label, unready, log)
         stack.seconds["helm install (concurrent)"] = helm_s
         stack.seconds.update({f"up: {k}": round(v, 1) for k, v in got["seconds"].items()})
         stack.seconds["server pod Ready"] = round(ready_s, 1)
@@ -236,36 +248,33 @@ def _wait_synced(kubectl: Any, version: str) -> dict[str, Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def _serving_sync(stack: Stack, kubectl: Any, version: str, apply: Any) -> tuple[dict[str, Any], Client]:
-    """`apply()` (kubectl apply or patch) while a client keeps sending requests to the server,
-    until the WeightSync is Synced at `version` and a request was sampled with it; the client is
-    stopped before returning."""
-    client = Client(stack.url, completions=True)
-    client.start()
-    try:
-        wait_for("a request served before the sync", lambda: client.requests > 0, 120)
-        client.syncing.set()
+def _serving_sync(stack: Stack, kubectl: Any, version: str, apply: Any, *, long: bool) -> Served:
+    """`apply()` (kubectl apply or patch) until Synced at `version`, with the server under load."""
+
+    def sync() -> dict[str, Any]:
         apply()
-        obj = _wait_synced(kubectl, version)
-        client.syncing.clear()
-        wait_for(f"a request sampled with {version}", lambda: version in client.versions, 120)
-    finally:
-        client.stop.set()
-        client.join(150)
-    return obj, client
+        return _wait_synced(kubectl, version)
+
+    return serving_sync(stack.url, stack.server_log, sync, version, long=long)
 
 
-def _assert_served(obj: dict[str, Any], client: Client, version: str) -> float:
-    """No failed request, some during the sync; the status shows the replica serving `version`
-    and its pause seconds (returned)."""
+def _assert_served(served: Served, version: str, mode: str) -> float:
+    """No failed request, some during the sync, none cut short unless the mode is abort; the
+    server paused with `mode` only; the status and the last report show the replica serving
+    `version` and its pause seconds (returned)."""
+    client, status = served.client, served.obj["status"]
     assert client.failed == 0, client.errors[:3]
     assert client.during_sync > 0 and not client.is_alive(), (client.requests, client.during_sync)
-    status = obj["status"]
+    assert set(served.pauses) == {mode}, served.pauses  # the spec's mode reached the server
+    # One request at a time and one pause: at most one cut short, and only by abort (the control).
+    assert client.aborted <= (1 if mode == "abort" else 0), client.aborted
     assert status["serving"] == "1/1", status
     (replica,) = status["replicas"]
     assert replica["deployment"] == DEPLOYMENT and replica["replica"] == 0, replica
     assert replica["state"] == "Serving" and replica["version"] == version, replica
     assert 0 < replica["pauseSeconds"] < 60, replica
+    (reported,) = status["runtime"]["lastReport"]["replicas"]
+    assert reported["version"] == version and reported["pauseSeconds"] == replica["pauseSeconds"], reported
     return float(replica["pauseSeconds"])
 
 
@@ -298,9 +307,11 @@ def test_kubectl_apply_syncs_the_serving_server_bit_for_bit(
     path = tmp_path / "weightsync.yaml"
     path.write_text(yaml.safe_dump(manifest(ray_cluster.address, int(stack.url.rsplit(":", 1)[1]), "v1")))
     t0 = time.monotonic()
-    obj, client = _serving_sync(stack, kubectl, "v1", lambda: kubectl("apply", "-f", str(path)))
+    served = _serving_sync(stack, kubectl, "v1", lambda: kubectl("apply", "-f", str(path)), long=False)
+    obj, client = served.obj, served.client
     stack.timed("apply -> Synced v1 (runtime pod start included)", t0)
-    pause = _assert_served(obj, client, "v1")
+    assert obj["spec"]["destinations"][0]["pause"] == "keep"
+    pause = _assert_served(served, "v1", "keep")
     assert condition(obj, "RuntimeReady")["status"] == "True"  # type: ignore[index]
     assert condition(obj, "Degraded")["status"] == "False"  # type: ignore[index]
     pods = [p for p in runtime_pods(kubectl, NS, WS) if not p["metadata"].get("deletionTimestamp")]
@@ -318,40 +329,61 @@ def test_kubectl_apply_syncs_the_serving_server_bit_for_bit(
     assert rows == stack.reference["v1"]  # token ids and every logprob, bit for bit
 
 
-def _patch_sync(stack: Stack, kubectl: Any, version: str) -> tuple[dict[str, Any], Client]:
-    """Sources train a step to `version`, kubectl patch spec.version -> the same runtime pod syncs
-    it into the serving server (plan cached, no error for the client)."""
+def _patch_sync(stack: Stack, kubectl: Any, version: str, pause: str) -> Served:
+    """Sources train a step to `version`, one kubectl patch of spec.version and the destination's
+    pause mode -> the same runtime pod syncs it into the serving server with that mode (plan
+    cached, no error for the clients)."""
     pod_uid = [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)]
     t0 = time.monotonic()
     stack.train(version)
-    patch = json.dumps({"spec": {"version": version}})
-    obj, client = _serving_sync(
+    patch = json.dumps(
+        [
+            {"op": "replace", "path": "/spec/version", "value": version},
+            {"op": "replace", "path": "/spec/destinations/0/pause", "value": pause},
+        ]
+    )
+    served = _serving_sync(
         stack,
         kubectl,
         version,
-        lambda: kubectl("patch", "weightsync", WS, "-n", NS, "--type=merge", "-p", patch),
+        lambda: kubectl("patch", "weightsync", WS, "-n", NS, "--type=json", "-p", patch),
+        long=True,
     )
-    stack.timed(f"train + patch -> Synced {version}", t0)
-    stack.seconds[f"patch {version}: pause"] = round(_assert_served(obj, client, version), 3)
-    stack.seconds[f"patch {version}: requests"] = client.requests
+    obj, long = served.obj, served.long
+    assert long is not None and obj["spec"]["destinations"][0]["pause"] == pause
+    stack.timed(f"train + patch -> Synced {version} (pause {pause})", t0)
+    stack.seconds[f"patch {version}: pause ({pause})"] = round(_assert_served(served, version, pause), 3)
+    stack.seconds[f"patch {version}: requests"] = served.client.requests
+    stack.seconds[f"patch {version}: long requests"] = len(long.ended)
     assert obj["status"]["lastSync"]["planCached"] is True, obj["status"]["lastSync"]
     assert [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)] == pod_uid, "runtime pod replaced"
     assert HttpControl(stack.url).version() == version
-    return obj, client
+    assert not long.errors and not long.unexpected(), (long.errors[:3], long.unexpected())
+    return served
 
 
 def test_kubectl_patch_after_a_training_step_syncs_v2_while_serving(stack: Stack, kubectl: Any) -> None:
-    _, client = _patch_sync(stack, kubectl, "v2")
-    assert {"v1", "v2"} <= client.versions  # served before and after the commit (vLLM's spans)
+    """pause: wait: every request in flight ran to its length, none was cut short."""
+    served = _patch_sync(stack, kubectl, "v2", "wait")
+    assert {"v1", "v2"} <= served.client.versions  # served before and after the commit (vLLM's spans)
+    assert served.long is not None and not served.long.aborted  # negative control of the abort below
+    assert [n for _, n in served.long.ended] == [LONG_TOKENS] * len(served.long.ended)
     rows = completions(stack.url)
     assert rows == stack.reference["v2"]
     assert rows_equal(rows, stack.reference["v1"]) == 0  # negative control: the other version's
 
 
 def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubectl: Any) -> None:
-    """A second patch: the sources go back to v1's weights, and so does the server, bit for bit."""
-    _, client = _patch_sync(stack, kubectl, "v1")
-    assert {"v2", "v1"} <= client.versions
+    """A second patch, pause: abort: the sources go back to v1's weights, and so does the server,
+    bit for bit; the long request in flight at the pause ended there (finish_reason "abort"),
+    which the clients count apart, not as a failure."""
+    served = _patch_sync(stack, kubectl, "v1", "abort")
+    assert {"v2", "v1"} <= served.client.versions
+    assert served.long is not None
+    (cut,) = served.long.aborted  # one pause, one long request in flight at a time
+    assert cut < LONG_TOKENS
+    stack.seconds["patch v1: long request cut at (tokens)"] = cut
+    stack.seconds["patch v1: short requests cut"] = served.client.aborted
     rows = completions(stack.url)
     assert rows == stack.reference["v1"]
     assert rows_equal(rows, stack.reference["v2"]) == 0

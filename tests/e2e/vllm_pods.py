@@ -19,6 +19,9 @@ SECRET = "ray-token"
 RAY_NS = "e2e-vllm"
 DEPLOYMENT = "rollout"
 LABELS = {"app": "vllm-rollout"}
+MAX_MODEL_LEN = 512
+"""The server's context: room for the long streamed requests of tests/e2e/vllm_client.py (the tiny
+model's positions); a greedy row's bits do not depend on it."""
 SERVER_READY_S = 600
 """The server pod's start (vLLM importing torch beside the sources and 0-2 oracle engines)."""
 
@@ -69,7 +72,7 @@ def deployment(model_dir: str, port: int) -> dict[str, Any]:
     container = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process
-        "command": ["python", *serve_args(model_dir, port)],
+        "command": ["python", *serve_args(model_dir, port, max_model_len=MAX_MODEL_LEN)],
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
