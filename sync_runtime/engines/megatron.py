@@ -50,8 +50,9 @@ MEGATRON_SOURCE_REFUSES: dict[str, str] = {
     "and the local spec's norm refuses (1+w) RMSNorm (layernorm_zero_centered_gamma)",
     # Megatron-Core 0.19.2 itself builds gpt-oss (softmax_type="learnable" sinks as
     # core_attention.softmax_offset, add_bias_linear for biased q/k/v/o, router and experts,
-    # quick_gelu with glu_linear_offset=1 and activation_func_clamp_value=7): what is missing
-    # is ours, a megatron layout rule (layouts/_rules.py NO_MEGATRON_RULE).
+    # quick_gelu with glu_linear_offset=1 and activation_func_clamp_value=7; a tiny gpt-oss
+    # builds on CPU with the local spec): what is missing is ours, a megatron layout rule
+    # (layouts/_rules.py NO_MEGATRON_RULE).
     "gpt_oss": "no megatron layout rule for gpt-oss: its checkpoint's fused experts "
     "(E, H, 2Im, gate/up interleaved) are a strided transpose of Megatron's per-expert "
     "linear_fc1 [gate; up], not a box (Megatron-Core 0.19.2 itself builds the model)",

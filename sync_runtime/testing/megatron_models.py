@@ -11,6 +11,7 @@ Megatron's seeded initialisation. gemma3_text and gpt_oss are refused in one lin
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -161,7 +162,9 @@ def _layer_spec(d: ModelDims, tconfig: Any, vp_stage: int | None) -> Any:
     if not (d.moe_layers or d.mla):
         spec = get_gpt_layer_local_spec(qk_layernorm=d.qk_norm, normalization="RMSNorm")
         if d.mlp_bias:  # Llama's mlp_bias: biases in the MLP only (add_bias_linear is global)
-            spec.submodules.mlp.module = biased_mlp()
+            # 0.19's local spec holds the MLP as partial(MLP.as_mlp_submodule, submodules=...).
+            local = spec.submodules.mlp
+            spec.submodules.mlp = functools.partial(biased_mlp().as_mlp_submodule, **local.keywords)
         return spec
     spec = get_gpt_decoder_block_spec(
         tconfig, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
