@@ -71,18 +71,33 @@ def destination_name(prefix: str, c: RankCoord) -> str:
     return f"{prefix}r{c.replica}-pp{c.pp_rank}-tp{c.tp_rank}"
 
 
+RAYLET_TIMEOUT = "The current node timed out during startup"
+"""Ray's message when its raylet did not register with the GCS in its fixed wait."""
+
+
 def start_local_ray(num_cpus: int = 2, namespace: str = DEFAULT_NAMESPACE) -> str:
-    """An embedded Ray cluster sized for CI (no dashboard, small object store); returns its address."""
-    if not ray.is_initialized():
-        ray.init(
-            address="local",  # always a fresh cluster: never join one another process started here
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            object_store_memory=128 << 20,
-            namespace=namespace,
-            logging_level="WARNING",
-            log_to_driver=False,
-        )
+    """An embedded Ray cluster sized for CI (no dashboard, small object store); returns its address.
+
+    Started again when Ray gave up waiting for its own raylet: Ray allows a fixed 30 s for the
+    raylet to register with the GCS (ray/_private/node.py), which a loaded 2-core machine can
+    exceed."""
+    for attempt in range(1, 4):
+        if ray.is_initialized():
+            break
+        try:
+            ray.init(
+                address="local",  # always a fresh cluster: never join one another process started here
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                object_store_memory=128 << 20,
+                namespace=namespace,
+                logging_level="WARNING",
+                log_to_driver=False,
+            )
+        except Exception as e:  # Ray raises a bare Exception for this
+            if attempt == 3 or RAYLET_TIMEOUT not in str(e):
+                raise
+            ray.shutdown()
     return ray.get_runtime_context().gcs_address
 
 

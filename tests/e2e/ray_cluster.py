@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sync_runtime.testing.cluster import RAYLET_TIMEOUT
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().parent / "ray_driver.py"
 REPLY = "@ws-driver "
@@ -70,13 +72,17 @@ class RayCluster:
         self.startup_timeout = startup_timeout
         self.token = secrets.token_hex(24)
         self.marker = secrets.token_hex(6)
+        self._fresh_place()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._driver: DriverServer | None = None
+
+    def _fresh_place(self) -> None:
+        """A new temp dir and port (each `ray start` attempt gets its own)."""
         base = "/var/tmp" if os.path.isdir("/var/tmp") else None
         self.temp_dir = Path(tempfile.mkdtemp(prefix="wsray-", dir=base))
         self.log_path = self.temp_dir / "ray-start.log"
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self._driver: DriverServer | None = None
 
     def env(self, **extra: str) -> dict[str, str]:
         """Environment of a client of this cluster (token included), derived from ours."""
@@ -93,7 +99,21 @@ class RayCluster:
         env.update(extra)
         return env
 
-    def start(self) -> RayCluster:
+    def start(self, attempts: int = 3) -> RayCluster:
+        """`ray start --head`, again (new port and temp dir) when Ray gave up waiting for its
+        own raylet: Ray 2.60 allows a fixed 30 s for the raylet to register with the GCS
+        (ray/_private/node.py), which a 2-core machine running another test lane can exceed."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except RuntimeError as e:
+                if attempt == attempts or RAYLET_TIMEOUT not in str(e):
+                    raise
+                print(f"ray start: raylet not registered in time (attempt {attempt}); again", flush=True)
+                self._fresh_place()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> RayCluster:
         cmd = [
             str(self.bin_dir / "ray"),
             "start",
