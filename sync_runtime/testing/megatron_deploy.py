@@ -28,7 +28,7 @@ from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_
 from sync_runtime.engines.megatron_convert import gather_full, to_hf
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.crd import Transport
-from sync_runtime.schema.report import SyncReport
+from sync_runtime.schema.report import SyncReport, SyncResult
 from sync_runtime.testing.cluster import (
     DemoSetup,
     destination_name,
@@ -134,6 +134,16 @@ class MegatronDeployment:
             return {n: hashlib.sha256(a.tobytes()).hexdigest() for n, a in materialize(shard, canon).items()}
 
         return verify_destinations(setup, version, want_for)
+
+    def sync_and_verify(self, version: str, address: str) -> dict[str, torch.Tensor]:
+        """Sync `version` and check every destination holds its shard of the trainers' weights
+        (the converter covers every canonical tensor); returns those weights."""
+        reference = self.reference()
+        assert set(reference) == {t.name for t in self.setup.manifest.tensors}  # the converter covers all
+        report = self.sync(version, address)
+        assert report.result is SyncResult.SUCCEEDED, report.model_dump_json()
+        assert self.verify(reference, version) == []
+        return reference
 
     def kill_destinations(self) -> None:
         for h in self.destinations:

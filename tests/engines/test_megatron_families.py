@@ -40,15 +40,6 @@ def _llama_mlp_bias() -> dict[str, Any]:
     return {**load_model_config("tiny-llama"), "mlp_bias": True}
 
 
-def _sync_and_verify(dep: MegatronDeployment, address: str, version: str) -> dict[str, torch.Tensor]:
-    reference = dep.reference()
-    assert set(reference) == {t.name for t in dep.setup.manifest.tensors}  # the converter covers all
-    report = dep.sync(version, address)
-    assert report.result is SyncResult.SUCCEEDED, report.model_dump_json()
-    assert dep.verify(reference, version) == []
-    return reference
-
-
 def _scrambled_source_fails(
     dep: MegatronDeployment, built: list[dict[str, Any]], address: str, name: str, pp_rank: int
 ) -> None:
@@ -66,7 +57,7 @@ def test_llama_mlp_bias_tp2_pp2(dep: MegatronDeployment, ray_address: str) -> No
     built = dep.build(_llama_mlp_bias(), "tp=2,pp=2", dst="tp=2")
     assert built[0]["layout"] == "megatron"
     ray.get([h.randomize_norms.remote(5) for h in dep.trainers])  # biases start at 0: make them differ
-    reference = _sync_and_verify(dep, ray_address, "v1")
+    reference = dep.sync_and_verify("v1", ray_address)
     gate, up = reference["model.layers.3.mlp.gate_proj.bias"], reference["model.layers.3.mlp.up_proj.bias"]
     assert gate.shape == up.shape == (256,) and not torch.equal(gate, up)  # I=256
     assert "model.layers.3.self_attn.o_proj.bias" not in reference  # the MLP alone is biased
@@ -77,7 +68,7 @@ def test_llama_mlp_bias_tp2_pp2(dep: MegatronDeployment, ray_address: str) -> No
 def test_mixtral_tp2_ep2(dep: MegatronDeployment, ray_address: str) -> None:
     built = dep.build(load_model_config("tiny-mixtral"), "tp=2,ep=2", dst="tp=2,ep=2")
     assert {b["coord"].ep_rank for b in built} == {0, 1} and built[0]["spec"].dp == 2
-    reference = _sync_and_verify(dep, ray_address, "v1")
+    reference = dep.sync_and_verify("v1", ray_address)
     assert "model.layers.3.block_sparse_moe.experts.7.w3.weight" in reference
     assert "model.layers.3.block_sparse_moe.gate.weight" in reference
     _scrambled_source_fails(
@@ -96,7 +87,7 @@ def test_glm4_moe_tp2_pp2_ep2(dep: MegatronDeployment, ray_address: str) -> None
     counts = ray.get([h.randomize_expert_bias.remote(6) for h in dep.trainers])
     by_stage = sorted(zip([b["coord"].pp_rank for b in built], counts, strict=True))
     assert [c for _, c in by_stage] == [1, 1, 2, 2]  # MoE layers 1 | 2, 3: every replica set alike
-    reference = _sync_and_verify(dep, ray_address, "v1")
+    reference = dep.sync_and_verify("v1", ray_address)
     assert reference["model.layers.0.mlp.gate_proj.weight"].shape == (128, 64)  # the dense layer
     assert reference["model.layers.1.mlp.shared_experts.gate_proj.weight"].shape == (32, 64)
     assert reference["model.layers.1.self_attn.k_proj.bias"].abs().sum() > 0

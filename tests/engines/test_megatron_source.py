@@ -32,27 +32,18 @@ def dep(ray_address: str):
     deployment.close()
 
 
-def _sync_and_verify(dep: MegatronDeployment, address: str, version: str) -> dict[str, torch.Tensor]:
-    reference = dep.reference()
-    assert set(reference) == {t.name for t in dep.setup.manifest.tensors}  # the converter covers all
-    report = dep.sync(version, address)
-    assert report.result is SyncResult.SUCCEEDED, report.model_dump_json()
-    assert dep.verify(reference, version) == []
-    return reference
-
-
 def test_dense_tp2_pp2_sync_step_and_scrambled_control(dep: MegatronDeployment, ray_address: str) -> None:
     built = dep.build(load_model_config("tiny-llama"), "tp=2,pp=2", dst="tp=2")  # GQA nh8 nkv2
     assert built[0]["layout"] == "megatron"
     coords = sorted((b["coord"].pp_rank, b["coord"].tp_rank) for b in built)
     assert coords == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    before = _sync_and_verify(dep, ray_address, "v1")
+    before = dep.sync_and_verify("v1", ray_address)
 
     # One real optimizer step (loss + backward through the hand-driven pipeline, Adam), then a
     # second sync: destinations hold the new weights, which differ from the old ones.
     losses = ray.get([h.step.remote("v2") for h in dep.trainers])
     assert any(loss is not None and loss > 0 for loss in losses)
-    after = _sync_and_verify(dep, ray_address, "v2")
+    after = dep.sync_and_verify("v2", ray_address)
     changed = [n for n in after if not torch.equal(after[n], before[n])]
     assert len(changed) == len(after), sorted(set(after) - set(changed))
     assert dep.verify(before, "v2")  # the old weights are no longer what they hold
@@ -73,7 +64,7 @@ def test_dense_trainer_at_megatrons_default_expert_tp_syncs(
     assert sorted(b["coord"].etp_rank for b in built) == [0, 0, 1, 1]  # Megatron's own coordinates
     dep.setup = dataclasses.replace(dep.setup, src=ParallelSpec.parse("tp=2,dp=2"))  # what the user declares
     assert dep.setup.src.etp == 1
-    _sync_and_verify(dep, ray_address, "v1")
+    dep.sync_and_verify("v1", ray_address)
 
 
 def test_vpp_chunks_carry_our_chunk_prefix(dep: MegatronDeployment, ray_address: str) -> None:
@@ -81,17 +72,17 @@ def test_vpp_chunks_carry_our_chunk_prefix(dep: MegatronDeployment, ray_address:
     # Megatron's layer_number by the engine; names get our chunk{c}. prefix.
     built = dep.build(load_model_config("tiny-llama"), "pp=2,vpp=2", dst="tp=2")
     assert built[0]["spec"].vpp == 2
-    _sync_and_verify(dep, ray_address, "v1")
+    dep.sync_and_verify("v1", ray_address)
 
 
 def test_moe_ep2_with_tp2(dep: MegatronDeployment, ray_address: str) -> None:
     built = dep.build(load_model_config("tiny-qwen3-moe"), "tp=2,ep=2", dst="tp=2,ep=2")
     assert {b["coord"].ep_rank for b in built} == {0, 1} and built[0]["spec"].dp == 2
-    before = _sync_and_verify(dep, ray_address, "v1")
+    before = dep.sync_and_verify("v1", ray_address)
     # After a step the TP copies of q/k_layernorm must still agree (Megatron sums their grads
     # over TP); a source whose replicas drift would give destinations mixed weights.
     ray.get([h.step.remote("v2") for h in dep.trainers])
-    after = _sync_and_verify(dep, ray_address, "v2")
+    after = dep.sync_and_verify("v2", ray_address)
     assert not torch.equal(
         after["model.layers.0.self_attn.q_norm.weight"], before["model.layers.0.self_attn.q_norm.weight"]
     )
@@ -105,7 +96,7 @@ def test_mla_bf16_keeps_per_tensor_dtypes(dep: MegatronDeployment, ray_address: 
     assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "float32"
     assert dtypes["model.layers.1.self_attn.kv_a_layernorm.weight"] == "float32"
     assert dtypes["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"] == "bfloat16"
-    reference = _sync_and_verify(dep, ray_address, "v1")
+    reference = dep.sync_and_verify("v1", ray_address)
     assert reference["model.norm.weight"].dtype == torch.float32
 
 
