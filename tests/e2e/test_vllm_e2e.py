@@ -380,9 +380,13 @@ def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubect
     served = _patch_sync(stack, kubectl, "v1", "abort")
     assert {"v2", "v1"} <= served.client.versions
     assert served.long is not None
-    (cut,) = served.long.aborted  # one pause, one long request in flight at a time
-    assert cut < LONG_TOKENS
-    stack.seconds["patch v1: long request cut at (tokens)"] = cut
+    # The server paused with abort (_assert_served reads its access log). The long request in
+    # flight then ends there; under load the pause can fall between two long requests, so none
+    # may be cut (one CI-equivalent run of four). tests/engines/test_vllm_server_pause.py proves
+    # the cut itself deterministically.
+    assert len(served.long.aborted) <= 1, served.long.aborted  # one long request at a time
+    assert all(cut < LONG_TOKENS for cut in served.long.aborted)
+    stack.seconds["patch v1: long requests cut"] = len(served.long.aborted)
     stack.seconds["patch v1: short requests cut"] = served.client.aborted
     rows = completions(stack.url)
     assert rows == stack.reference["v1"]
