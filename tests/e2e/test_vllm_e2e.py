@@ -5,7 +5,7 @@ Everything of tests/e2e/test_weightsync_e2e.py is real here too (kube-apiserver 
 helm, the chart, `kopf run`, the runtime pod's `weightsync run --kubernetes`, Ray with token
 auth). The destination is a Deployment (one replica) whose pod runs `vllm serve` as docs/vllm.md
 tells users to (the `api_server.entry` module, `VLLM_SERVER_DEV_MODE=1`, `--weight-transfer-config
-'{"backend": "weightsync"}'`, the plugin loaded from the installed package; vLLM 0.32 CPU, TP 1,
+'{"backend": "weightsync"}'`, the plugin loaded from the installed package; vLLM 0.32 CPU, TP 2,
 dummy weights) with a readiness probe on `/health`: the test node agent (tests/k8s/node_agent.py)
 runs the pod's command as a local process (image ignored) and turns the pod Ready only once the
 probe passes. The WeightSync selects the pod by label (`destinations[].vllmServers`); the
@@ -62,7 +62,7 @@ from helpers import (
 )
 from ray_cluster import RayCluster
 from vllm_client import LONG_TOKENS, Served, serving_sync
-from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, WS, ReadyWatch, deployment, manifest, server_pods
+from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, TP, WS, ReadyWatch, deployment, manifest, server_pods
 
 from sync_runtime.core.models import build_manifest
 from sync_runtime.engines.vllm_http import HttpControl
@@ -114,9 +114,10 @@ def _up(ray_cluster: RayCluster, work: Path) -> tuple[subprocess.Popen[str], dic
     manifest = build_manifest(config)
     dirs = {v: write_model(work / v, config, manifest, seed=SEED, version=v) for v in ("v1", "v2")}
     args = ["up", "--config", f"{dirs['v1']}/config.json", "--seed", str(SEED), "--version", "v1"]
+    args += ["--reference-tp", str(TP)]
     oracles = {}
     for version, directory in dirs.items():
-        key = oracle_key(directory, {"tp": 1}, calls=1)  # the driver's oracles: TP 1, one call
+        key = oracle_key(directory, {"tp": TP}, calls=1)  # the driver's oracles: the server's TP, one call
         oracles[version] = (key, reference_cache.load(key)[0])
         if oracles[version][1] is None:
             args += ["--reference", f"{version}={directory}"]
@@ -287,7 +288,7 @@ def test_the_server_pod_turns_ready_only_once_vllm_answers(stack: Stack, kubectl
     assert Path(argv[0]).parent == Path(sys.executable).parent, argv  # the engine env's python
     assert argv[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", argv[3]], argv
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "weightsync"}', argv
-    assert HttpControl(stack.url).world_size() == 1
+    assert HttpControl(stack.url).world_size() == TP
 
 
 def test_the_oracle_tells_the_versions_apart(stack: Stack) -> None:

@@ -6,7 +6,7 @@ pytest process: in ``make test-engines`` the pytest process is already a driver 
 tests' own (unauthenticated) local cluster, and one process joins one Ray cluster.
 
     python vllm_driver.py up --namespace NS --config C --seed S --version V --src P \
-        --reference V=DIR [--reference V=DIR ...]
+        --reference V=DIR [--reference V=DIR ...] [--reference-tp N]
     python vllm_driver.py train --namespace NS --config C --seed S --version V
     python vllm_driver.py down --namespace NS
 
@@ -40,11 +40,15 @@ ENGINE_READY_S = 500.0
 """vLLM start on a loaded 2-core machine (the server pod and 0-2 references starting together)."""
 
 
-def _reference(name: str, namespace: str, model_dir: str) -> Any:
+def _reference(name: str, namespace: str, model_dir: str, tp: int) -> Any:
     from sync_runtime.engines.vllm_replica import VllmReplica, replica_options
 
-    options = replica_options(name, namespace, 1, engine_env(1))
-    return ray.remote(VllmReplica).options(**options).remote(model_dir, load_format="auto")
+    options = replica_options(name, namespace, tp, engine_env(tp))
+    return (
+        ray.remote(VllmReplica)
+        .options(**options)
+        .remote(model_dir, load_format="auto", tensor_parallel_size=tp)
+    )
 
 
 def _setup(args: argparse.Namespace) -> DemoSetup:
@@ -64,7 +68,7 @@ def cmd_up(args: argparse.Namespace) -> dict[str, Any]:
     refs = {}
     for item in args.reference:
         version, _, directory = item.partition("=")
-        refs[version] = _reference(f"reference-{version}", args.namespace, directory)
+        refs[version] = _reference(f"reference-{version}", args.namespace, directory, args.reference_tp)
     create_participants(
         setup,
         src_version=args.version,
@@ -114,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.add_argument("--seed", type=int, required=True)
         p.add_argument("--version", required=True)
     sub.choices["up"].add_argument("--reference", action="append", default=[], metavar="VERSION=DIR")
+    sub.choices["up"].add_argument("--reference-tp", type=int, default=1, help="the servers' TP")
     args = parser.parse_args(argv)
 
     ray.init(address=args.address, namespace=args.namespace, logging_level="WARNING", log_to_driver=False)

@@ -19,6 +19,9 @@ SECRET = "ray-token"
 RAY_NS = "e2e-vllm"
 DEPLOYMENT = "rollout"
 LABELS = {"app": "vllm-rollout"}
+TP = 2
+"""The server's tensor parallelism: two workers in the pod, each one destination rank of the sync
+(the pod's world size, read through `/get_world_size`, must equal the WeightSync's `tp`)."""
 MAX_MODEL_LEN = 512
 """The server's context: room for the long streamed requests of tests/e2e/vllm_client.py (the tiny
 model's positions); a greedy row's bits do not depend on it."""
@@ -49,7 +52,7 @@ def manifest(address: str, port: int, version: str) -> dict[str, Any]:
                     "layout": "vllm",
                     "vllmServers": {"selector": {"matchLabels": LABELS}, "port": port},
                     "pause": "keep",
-                    "parallelism": {"tp": 1, "replicas": 1},
+                    "parallelism": {"tp": TP, "replicas": 1},
                 }
             ],
             "transport": {
@@ -68,11 +71,11 @@ def deployment(model_dir: str, port: int) -> dict[str, Any]:
     agent runs `command` with the engine env first on PATH (`python` is its interpreter)."""
     # The engine settings of the tests' servers; not PYTHONPATH: the plugin comes from the
     # installed package, as in a user's image.
-    env = {k: v for k, v in serve_env(1).items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in serve_env(TP).items() if k != "PYTHONPATH"}
     container = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process
-        "command": ["python", *serve_args(model_dir, port, max_model_len=MAX_MODEL_LEN)],
+        "command": ["python", *serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN)],
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
