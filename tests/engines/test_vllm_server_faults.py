@@ -1,38 +1,55 @@
 """Fault trials against real `vllm serve` servers with the weightsync backend (two replicas,
-TP 1): a server killed during its apply, then replaced by a fresh server on its checkpoint
-(dummy) weights that the next sync repairs.
-
-The kill comes right after the commit decision (CommitHooks.after_decision): replica 0 commits,
-replica 1's server is gone before its pause. Oracle: `VllmReplica` loaded from the reference
-checkpoint. Replica 0, which is never killed, is the session's shared server and sources
+TP 1). Replica 0, never killed, is the session's shared server and sources
 (tests/engines/conftest.py `qwen3_server`); replica 1 and its replacement are this module's.
+Oracle: `VllmReplica` loaded from the reference checkpoint.
 
-The replacement server process is launched with the fleet and joins the deployment (its
-WeightSync actor is created, so discovery sees it) only after the crash: to WeightSync that is a
-restarted replica. Launched only after the crash, it took 3-8 minutes to boot on a loaded 2-core
-machine while replica 0 kept serving (three vLLM processes importing torch against a serving
-engine's OpenMP threads), which made this the slowest test of the suite.
+1. Killed during its apply, then restarted: the kill comes right after the commit decision
+   (CommitHooks.after_decision): replica 0 commits, replica 1's server is gone before its pause.
+   The replacement server process is launched with the fleet and joins the deployment (its
+   WeightSync actor is created, so discovery sees it) only after the crash: to WeightSync that
+   is a restarted replica, back on its checkpoint (dummy) weights, which the next sync repairs.
+   Launched only after the crash, it took 3-8 minutes to boot on a loaded 2-core machine while
+   replica 0 kept serving (three vLLM processes importing torch against a serving engine's
+   OpenMP threads), which made this the slowest test of the suite.
+2. Killed during the transfer: the victim is replica 1's server of the moment (the replacement,
+   after trial 1: no further engine start). The sources push new weights (seed OTHER_SEED's,
+   whose generation on replica 0 the fleet recorded; v1's, the oracle's, when this trial runs
+   alone and replica 0 holds the former) in 1 MiB buckets under a 2 MiB staging budget: three
+   rounds, each with bytes for replica 1. The sources are parked before round 1
+   (sync_runtime/testing/transfer_gate.py); once replica 1's own progress report (in the
+   coordinator's store) says its round-0 bucket landed, replica 1's server is SIGKILLed (its
+   WeightSync actor stays, as a server pod dies under a running WeightSync) and the gate opens.
+   The sync fails in the transfer naming replica 1's rank; replica 0 did not commit: it serves
+   its previous version bit for bit (and not the new weights' generation), its clients saw no
+   error. A retry with the dead server still a replica fails at discovery naming it; a spec
+   selecting replica 0 alone then syncs the new weights, and replica 0's generation becomes
+   the recorded one (the positive control of that negative control).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
-from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.commit import CommitHooks
 from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.report import NullReporter, ReplicaState, SyncResult
+from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.schema.report import NullReporter, ReplicaState, SyncResult, SyncStep
+from sync_runtime.testing.cluster import train_step
+from sync_runtime.testing.transfer_gate import SourceGate, messages_to
 from sync_runtime.testing.vllm_models import PROMPTS
 from tests.support import shared_server
-from tests.support.vllm_deploy import destination_ref
+from tests.support.vllm_deploy import destination_ref, sync_spec
 from tests.support.vllm_server import Client, Server, generate, generations, launch, stop
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -67,8 +84,12 @@ class Servers:
     def url(self, k: int) -> str:
         return self.servers[k].url
 
-    def crash(self, k: int) -> None:
+    def kill_server(self, k: int) -> None:
+        """SIGKILL to replica k's server process group; its WeightSync actor stays."""
         stop(self.servers[k].proc, kill=True)
+
+    def crash(self, k: int) -> None:
+        self.kill_server(k)
         ray.kill(self.actors.pop(k))
 
     def close(self) -> None:
@@ -89,7 +110,8 @@ def fleet(qwen3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         first = servers.launch()  # replica 1, killed by the trial
         replacement = servers.launch()  # replica 1 after the crash
         shared.push_other_weights()  # before replica 0's proxy is attached: one proxy at a time
-        assert generations(shared.url) != shared.ref
+        other = generations(shared.url)  # the weights of seed OTHER_SEED, as a server generates them
+        assert other != shared.ref
         servers.join(0, shared.server)
         servers.join(1, first)
         # The replacement's first forward pass, before the trial: a fresh server's first
@@ -102,6 +124,8 @@ def fleet(qwen3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "ref": shared.ref,
             "spec": shared.spec(dst, "v1"),
             "manifest": shared.manifest,
+            "shared": shared,
+            "other": other,
         }
     finally:
         servers.close()
@@ -149,3 +173,122 @@ def test_killed_during_its_apply_then_restarted(fleet: dict[str, Any]) -> None:
     assert client.failed == 0, client.errors[:3]
     assert client.requests > 0
     assert [HttpControl(servers.url(k)).version() for k in (0, 1)] == ["v1-again", "v1-again"]
+
+
+def received_bytes(coordinator: Coordinator, rank: int) -> int:
+    """The bytes `rank` (a destination: it sends none) reported received in the running sync: its
+    progress key in the coordinator's store (runtime/drive.py). A rank writes it on its first
+    completed message, then at most every PROGRESS_INTERVAL_S (runtime/participant_txn.py)."""
+    session, store = coordinator.session, coordinator._store
+    assert session is not None and store is not None
+    key = f"{session.group_name}/progress/{rank}"
+    if not store.check([key]):
+        return 0
+    return int(bytes(store.get(key)).decode().partition("/")[0])
+
+
+def wait_received(coordinator: Coordinator, rank: int, nbytes: int, timeout_s: float) -> int:
+    """Until `rank` reported `nbytes` received (or the timeout); what it reported."""
+    deadline = time.monotonic() + timeout_s
+    while (got := received_bytes(coordinator, rank)) < nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
+
+
+def test_killed_during_the_transfer_then_synced_without_it(fleet: dict[str, Any], tmp_path: Path) -> None:
+    servers, shared = fleet["servers"], fleet["shared"]
+    url0 = servers.url(0)
+    before_version, before = HttpControl(url0).version(), generations(url0)
+    # The new weights: of two whose generation is known, the one replica 0 does not hold (seed
+    # OTHER_SEED's after trial 1, which left it on v1; v1's when this trial runs alone)
+    other_step = (dataclasses.replace(shared.setup, seed=shared_server.OTHER_SEED), "other")
+    new_step, new = (
+        (other_step, fleet["other"]) if before != fleet["other"] else ((shared.setup, "v1"), fleet["ref"])
+    )
+    assert before != new  # else a commit of the new weights on replica 0 would not show
+    dst = [destination_ref("srv", NS, "sf-r", DST)]
+    # 1 MiB buckets, 2 MiB staging budget: three rounds, each with bytes for replica 1 (see below)
+    small = {"bucket_mb": 1, "staging_budget_mb": 2, "delta": "off", "transfer_timeout_seconds": 120}
+    spec = sync_spec(shared.setup.model, shared.namespace, shared.setup.src, dst, "v2", **small)
+    coordinator = Coordinator(spec, NullReporter(), manifest=fleet["manifest"])
+    sources = [h for _, h in find_actors(shared.namespace, shared.setup.src_prefix)]
+    client = Client(url0)  # replica 0's clients must see no error throughout
+    client.start()
+    gate, pool = None, ThreadPoolExecutor(1)
+    phases: dict[str, float] = {}
+    t0 = time.monotonic()
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.monotonic() - t0 - sum(phases.values()), 1)
+
+    try:
+        train_step(*new_step)
+        gate = SourceGate(sources, tmp_path, round_index=1)
+        running = pool.submit(coordinator.sync, "v2")
+        gate.wait_parked(timeout_s=300, unless=running.done)  # round 0 sent, round 1 not begun
+        phase("sync v2 to round 1")
+        session = coordinator.session
+        assert session is not None
+        plan, participants = session.plan, session.participants
+        victim = next(
+            r
+            for r, p in enumerate(participants)
+            if p.meta.role is Role.DESTINATION and p.meta.coord.replica == 1
+        )
+        to_victim = [sum(b.nbytes for b in r.buckets if b.dst_rank == victim) for r in plan.rounds]
+        # One message to replica 1 in round 0: its first progress report is that whole bucket landed
+        messages = messages_to(plan, victim, 0)
+        received = wait_received(coordinator, victim, to_victim[0], timeout_s=60)
+        phase("round 0 landed")
+        servers.kill_server(1)
+        gate.open()
+        report = running.result(timeout=300)
+        phase("kill, sync v2 fails")
+        after, after_version = generations(url0), HttpControl(url0).version()
+        served = set(client.versions)
+        retry = coordinator.sync("v2-retry")  # the dead server is still a replica of the spec
+        phase("retry")
+        # Replica 0 alone (the operator's way to drop a dead replica: the spec selects the rest)
+        alone = [destination_ref("srv", NS, "sf-r0-", ParallelSpec.parse("tp=1"))]
+        coordinator.update_spec(
+            sync_spec(shared.setup.model, shared.namespace, shared.setup.src, alone, "v2")
+        )
+        without = coordinator.sync("v2-one-replica")
+        synced, synced_version = generations(url0), HttpControl(url0).version()
+        phase("sync replica 0 alone")
+    finally:
+        if gate is not None:
+            gate.remove()
+        pool.shutdown(wait=False, cancel_futures=True)
+        coordinator.close()
+        train_step(shared.setup, "v1")  # the shared sources back on v1
+        client.stop.set()
+        client.join(120)
+    print("transfer kill phases (s):", phases)
+    print(f"replica 1 (rank {victim}): bytes per round {to_victim}, reported received {received}")
+    print("transfer kill report:", report.result, report.failure, [r.model_dump() for r in report.replicas])
+    print("retry:", retry.failure)
+    victim_name = participants[victim].name
+    # During the transfer: replica 1 had landed all of round 0 and had bytes of two rounds to come
+    assert to_victim[0] > 0 and to_victim[1] > 0 and to_victim[2] > 0, to_victim
+    assert messages == 1 and received == to_victim[0]
+    assert report.result is SyncResult.FAILED and report.failure is not None
+    assert report.failure.step is SyncStep.TRANSFER, report.failure
+    assert report.failure.reason == "ParticipantDied" and report.failure.rank == victim, report.failure
+    assert victim_name in report.failure.message, (victim_name, report.failure.message)
+    assert report.moved_bytes == 0 and report.stages.commit == 0.0  # no commit phase ran
+    states = {r.replica: r for r in report.replicas}
+    assert states[0].state is ReplicaState.SERVING and states[0].version == before_version
+    assert states[1].state is ReplicaState.DEGRADED and states[1].version is None
+    # Replica 0 did not commit: its previous version bit for bit, not the new weights' generation
+    assert after == before
+    assert after != new  # negative control: a commit of v2 would have shown here
+    assert after_version == before_version and "v2" not in served
+    assert client.failed == 0, client.errors[:3]
+    assert client.requests > 0
+    # While the dead server is a replica of the spec, a sync fails at discovery naming it
+    assert retry.result is SyncResult.FAILED and retry.failure is not None
+    assert retry.failure.step is SyncStep.DISCOVER and victim_name.split("#")[0] in retry.failure.message
+    # Replica 0 alone takes the new weights: their known generation (positive control)
+    assert without.result is SyncResult.SUCCEEDED, without.failure
+    assert synced == new and synced_version == "v2-one-replica"
