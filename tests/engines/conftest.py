@@ -13,7 +13,7 @@ import ray
 
 from sync_runtime.testing.cluster import start_local_ray
 
-SHARED = ("deepseek_tp2", "qwen3_server")
+SHARED = ("deepseek_tp2", "qwen3_server", "qwen3_pair")
 """The shared-engine fixtures below."""
 
 
@@ -61,6 +61,28 @@ def deepseek_tp2(
 
     with shared_engines.use("deepseek_tp2", start, se.stop_shared_replica, se.replica_alive) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def qwen3_pair(
+    ray_address: str,
+    shared_engines: Any,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Any]:
+    """Two dummy-weight Qwen3 `VllmReplica`s at TP 1 (replicas 0 and 1) whose workers carry both
+    modules' fault hooks, off until called (tests/support/vllm_pair_faults.py): test_vllm_delta,
+    test_vllm_dense (whose last test kills replica 1 and retires the pair)."""
+    from tests.support import shared_engines as se
+    from tests.support.vllm_pair_faults import EXTENSION
+
+    def start() -> se.SharedPair:
+        directory = tmp_path_factory.mktemp("shared-qwen3-pair")
+        return se.start_shared_pair(
+            "qwen3", directory, "vllm-shared-qwen3", "qwen3-pair-", extension=EXTENSION
+        )
+
+    with shared_engines.use("qwen3_pair", start, se.stop_shared_pair, se.pair_alive) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@ Sources: the demo's Megatron-layout actors (tp=2) taking sparse steps (sync_runt
 sparse_steps.py: ~3% of the elements move by one bf16 ulp, as an RL optimizer step does, and a
 checkpoint of the same version is written from the canonical tensors). Destinations: two
 `VllmReplica` engines started with dummy weights, whose ranks keep the bytes of their last
-commit as the base of the next delta (engines/vllm_delta.py). Oracles: vLLM loaded normally from
-the checkpoint of each version (through the reference cache).
+commit as the base of the next delta (engines/vllm_delta.py): the session's shared pair
+(tests/engines/conftest.py `qwen3_pair`, also synced by test_vllm_dense, which runs after this
+module and kills one of them last); its workers carry this module's base faults. Oracles: vLLM
+loaded normally from the checkpoint of each version (through the reference cache).
 
 Each sync is checked twice: the bytes every rank committed equal the version's shard, tensor by
 tensor (checksums against the canonical weights sharded by the vllm layout), and the engines'
@@ -42,17 +44,14 @@ from sync_runtime.testing.sparse_steps import SteppedSource, stepped_weights, wr
 from sync_runtime.testing.weights import bits_to_torch
 from sync_runtime.transfer.checksum import checksum_bytes, checksum_tensor, hex_digest, raw_bytes
 from sync_runtime.transfer.delta_wire import DeltaIO, KeptBits, delta_io
-from tests.support.vllm_delta_faults import EXTENSION
 from tests.support.vllm_deploy import (
     CONFIGS,
     PROMPTS,
     destination_ref,
     generations,
     rows_equal,
-    start_replica,
     stop_replicas,
     sync_spec,
-    wait_ready,
 )
 from tests.support.vllm_oracle import finish_oracles, start_oracles
 
@@ -165,7 +164,9 @@ def test_the_receiver_rebuilds_from_the_kept_base_and_a_wrong_base_fails_the_che
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def deployment(
+    ray_address: str, qwen3_pair: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     config = CONFIGS["qwen3"]
     manifest = build_manifest(config)
     root = tmp_path_factory.mktemp("qwen3-delta")
@@ -174,24 +175,19 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         for v, steps in {"v1": 0, **ORACLES}.items()
     }
     setup = DemoSetup.create(f"{dirs['v1']}/config.json", SRC, DST, namespace=NS, seed=0)
-    engines = [
-        start_replica(f"infer-r{k}", NS, dirs["v1"], tp=1, replica=k, extension=EXTENSION) for k in range(2)
-    ]
     oracles = {v: start_oracles(dirs[v], NS, {"ref": (f"ref-{v}", {"tp": 1})}, 1) for v in ORACLES}
     try:
         create_participants(
             setup, src_version="v1", dst_version="-", source_class=lambda c: SteppedSource,
             skip=lambda c: c.role is Role.DESTINATION,
         )  # fmt: skip
-        wait_ready(engines, timeout_s=800)
         refs = {v: finish_oracles(o, timeout_s=800)["ref"]["calls"][0] for v, o in oracles.items()}
-        spec = sync_spec(
-            setup.model, NS, SRC, [destination_ref("inference", NS, "infer-", DST)], "v1",
-            bucket_mb=1, staging_budget_mb=2,
-        )  # fmt: skip
+        dst = destination_ref("inference", qwen3_pair.namespace, qwen3_pair.prefix, DST)
+        spec = sync_spec(setup.model, NS, SRC, [dst], "v1", bucket_mb=1, staging_budget_mb=2)
+        engines = list(qwen3_pair.handles)  # the shared pair, at whatever version it was left
         yield {"setup": setup, "manifest": manifest, "engines": engines, "refs": refs, "spec": spec}
     finally:
-        stop_replicas([*engines, *(h for o in oracles.values() for h in o.started.values())])
+        stop_replicas([h for o in oracles.values() for h in o.started.values()])
         kill_participants(setup)
 
 

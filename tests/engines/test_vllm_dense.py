@@ -1,8 +1,13 @@
 """Real vLLM destinations, dense Qwen3 (tied embeddings), TP 1, two replicas.
 
 Sources: the demo's Megatron-layout actors (tp=2). Destinations: two `VllmReplica` actors, each a
-vLLM 0.32 CPU engine started with dummy weights. Oracle: the same vLLM loaded normally from the
-reference checkpoint (the demo's canonical tensors written as an HF model dir).
+vLLM 0.32 CPU engine started with dummy weights: the session's shared pair (tests/engines/
+conftest.py `qwen3_pair`, also synced by test_vllm_delta), whose dummy generations were recorded
+before any sync. Oracle: the same vLLM loaded normally from the reference checkpoint (the demo's
+canonical tensors written as an HF model dir).
+
+The last test kills replica 1 mid-transfer and retires the pair (the module runs after the pair's
+other users, `RETIRES_SHARED`; one that uses it later still starts another).
 """
 
 from __future__ import annotations
@@ -22,25 +27,26 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import check_side, gather
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import train_step
-from tests.support import vllm_faults
 from tests.support.vllm_deploy import CONFIGS, deploy, destination_ref, generations, rows_equal, sync_spec
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(600)]
 NS = "vllm-dense"
 DST = ParallelSpec.parse("tp=1,replicas=2")
+RETIRES_SHARED = ("qwen3_pair",)
+"""The last test kills a replica of the shared pair: this module runs after its other users."""
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    ext = vllm_faults.EXTENSION
-    engines = {f"r{k}": (f"infer-r{k}", {"tp": 1, "replica": k, "extension": ext}) for k in range(2)}
+def deployment(
+    ray_address: str, qwen3_pair: Any, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
     with deploy(
         "qwen3",
         tmp_path_factory.mktemp("qwen3") / "v2",
         src="tp=2",
         dst=DST,
         namespace=NS,
-        engines=engines,
+        engines={},  # the shared pair (its config is CONFIGS["qwen3"] too)
         references={"ref": ("reference", {"tp": 1})},
         version="v2",  # the oracle holds v2; the sources start at v1 and train a step to v2
     ) as d:
@@ -48,14 +54,16 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
             d.setup.model,
             NS,
             d.setup.src,
-            [destination_ref("inference", NS, "infer-", DST)],
+            [destination_ref("inference", qwen3_pair.namespace, qwen3_pair.prefix, DST)],
             "v1",
             bucket_mb=1,
             staging_budget_mb=2,
         )
         yield {
             "setup": d.setup,
-            "replicas": list(d.engines.values()),
+            "replicas": list(qwen3_pair.handles),
+            "prefix": qwen3_pair.prefix,
+            "dummy": qwen3_pair.dummy,
             "ref_v2": d.reference_calls[0]["ref"],
             "spec": spec,
             "manifest": d.manifest,
@@ -79,13 +87,14 @@ def test_a_tensor_the_engine_does_not_hold_is_refused_before_any_byte(deployment
     with pytest.raises(TopologyMismatchError) as e:
         check_side(ref, Role.DESTINATION, gather(ref, timeout_s=60), build_manifest(config))
     msg = str(e.value)
-    assert "rank replica=0,pp=0,tp=0 (actor infer-r0#0): tensor model.layers.0.mlp.gate_up_proj.weight" in msg
+    actor = f"{deployment['prefix']}r0#0"
+    assert f"rank replica=0,pp=0,tp=0 (actor {actor}): tensor model.layers.0.mlp.gate_up_proj.weight" in msg
     assert "has shape [1024, 256], manifest says [768, 256]" in msg
 
 
 def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment: dict[str, Any]) -> None:
     setup, replicas = deployment["setup"], deployment["replicas"]
-    dummy = generations(replicas)
+    dummy = deployment["dummy"]  # recorded when the pair started (another module may have synced it)
     coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
     try:
         report = coordinator.sync("v1")
@@ -105,20 +114,25 @@ def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment:
     deployment["v2_gen"] = v2
 
 
-def test_a_destination_killed_mid_transfer_leaves_the_others_serving(deployment: dict[str, Any]) -> None:
+def test_a_destination_killed_mid_transfer_leaves_the_others_serving(
+    deployment: dict[str, Any], shared_engines: Any
+) -> None:
     setup, (r0, r1) = deployment["setup"], deployment["replicas"]
     before = generations([r0])[0]
     train_step(setup, "v3")
-    ray.get(r1.ws_rank_call.remote(0, "ws_arm_exit", (1,)))  # dies after round 0 of its ws_run
-    spec = deployment["spec"]
-    coordinator = Coordinator(spec, NullReporter(), manifest=deployment["manifest"])
     try:
-        report = coordinator.sync("v3")
+        ray.get(r1.ws_rank_call.remote(0, "ws_arm_exit", (1,)))  # dies after round 0 of its ws_run
+        spec = deployment["spec"]
+        coordinator = Coordinator(spec, NullReporter(), manifest=deployment["manifest"])
+        try:
+            report = coordinator.sync("v3")
+        finally:
+            coordinator.close()
+        assert report.result is not SyncResult.SUCCEEDED and report.failure is not None
+        print("killed mid-transfer:", report.failure.reason, report.failure.rank, report.failure.message)
+        assert ray.get(r0.weight_version.remote()) == "v2"
+        assert generations([r0])[0] == before == deployment.get("v2_gen", [before])[0]
+        meta = dataclasses.replace(ray.get(r0.ws_meta.remote())[0])
+        assert meta.version == "v2"
     finally:
-        coordinator.close()
-    assert report.result is not SyncResult.SUCCEEDED and report.failure is not None
-    print("killed mid-transfer:", report.failure.reason, report.failure.rank, report.failure.message)
-    assert ray.get(r0.weight_version.remote()) == "v2"
-    assert generations([r0])[0] == before == deployment.get("v2_gen", [before])[0]
-    meta = dataclasses.replace(ray.get(r0.ws_meta.remote())[0])
-    assert meta.version == "v2"
+        shared_engines.retire("qwen3_pair")  # replica 1's engine is dead (or armed): nobody reuses it

@@ -47,15 +47,20 @@ def note_users(items: Sequence[pytest.Item], fixtures: Sequence[str]) -> None:
 def group_modules(items: list[pytest.Item], fixtures: Sequence[str]) -> None:
     """Reorder `items` in place so that the modules sharing a fixture run one after another
     (each group where its first module was; the tests of a module keep their order): a shared
-    engine is then never idle while other modules start theirs."""
+    engine is then never idle while other modules start theirs. A module that kills a shared
+    engine on purpose (its `RETIRES_SHARED` names the fixture) runs last in its group, so that
+    no other module has to start the engine again."""
     order = list(dict.fromkeys(_module(item) for item in items))
+    retires = {
+        _module(item): bool(getattr(getattr(item, "module", None), "RETIRES_SHARED", ())) for item in items
+    }
     lead = {m: m for m in order}
     for name in fixtures:
         users = [m for m in order if m in USERS.get(name, ())]
         for m in users[1:]:
             lead[m] = lead[users[0]]
     rank = {m: i for i, m in enumerate(order)}
-    position = {m: (rank[lead[m]], rank[m]) for m in order}
+    position = {m: (rank[lead[m]], retires[m], rank[m]) for m in order}
     items.sort(key=lambda item: position[_module(item)])
 
 
@@ -103,6 +108,10 @@ class SharedEngines:
                 pending.discard(nodeid)
                 if not pending:
                     self.stop(name)
+
+    def retire(self, name: str) -> None:
+        """A test killed `name`'s engine on purpose: stop it now (a later user starts another)."""
+        self.stop(name)
 
     def stop(self, name: str) -> None:
         held = self.held.pop(name, None)
@@ -160,3 +169,51 @@ def replica_alive(shared: SharedReplica) -> bool:
 
 def stop_shared_replica(shared: SharedReplica) -> None:
     stop_replicas([shared.handle])
+
+
+@dataclass
+class SharedPair:
+    """Dummy-weight TP 1 `VllmReplica`s (replicas 0, 1) shared by modules: their destination is
+    (namespace, prefix)."""
+
+    handles: list[Any]
+    namespace: str
+    prefix: str
+    model_dir: str
+    dummy: list[Generation]
+    """Per replica, its generation of PROMPTS on dummy weights, before any sync."""
+
+
+def start_shared_pair(
+    model: str, directory: Path, namespace: str, prefix: str, *, extension: str, replicas: int = 2
+) -> SharedPair:
+    """`replicas` dummy-weight TP 1 replicas of CONFIGS[model] (started together), up, with
+    their dummy generations recorded."""
+    from tests.support.vllm_deploy import start_replica
+
+    config = CONFIGS[model]
+    model_dir = write_model(directory, config, build_manifest(config), seed=0, version="v1")
+    handles = [
+        start_replica(f"{prefix}r{k}", namespace, model_dir, tp=1, replica=k, extension=extension)
+        for k in range(replicas)
+    ]
+    try:
+        wait_ready(handles, timeout_s=800)
+        return SharedPair(handles, namespace, prefix, model_dir, generations(handles))
+    except BaseException:
+        stop_replicas(handles)
+        raise
+
+
+def pair_alive(shared: SharedPair) -> bool:
+    """Every replica's engine answers a call that reaches its workers (a rank killed by a fault
+    test leaves the actor up and its engine dead)."""
+    try:
+        ray.get([h.ws_meta.remote() for h in shared.handles], timeout=60)
+    except Exception:  # a dead actor or engine: start another pair
+        return False
+    return True
+
+
+def stop_shared_pair(shared: SharedPair) -> None:
+    stop_replicas(shared.handles)
