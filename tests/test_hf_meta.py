@@ -34,6 +34,11 @@ def test_preset_manifest_equals_transformers(preset: str) -> None:
     dtypes = {n: d for n, _, d in meta.tensors if not n.endswith(_UPCAST_ON_LOAD)}
     assert {t.name: t.dtype for t in manifest.tensors if t.name in dtypes} == dtypes
     assert bool(meta.tied) == bool(config.get("tie_word_embeddings"))
+    # The MTP part (model.layers.{L}.*, DeepSeek-V3) is no tensor of transformers' class, which
+    # ignores those checkpoint names on load: the manifest keeps it apart from `tensors`.
+    assert not {t.name for t in manifest.mtp} & set(_shapes(meta))
+    deepseek_mtp = manifest.family == "deepseek_v3" and (config.get("num_nextn_predict_layers") or 0) > 0
+    assert bool(manifest.mtp) == deepseek_mtp
 
 
 def test_different_config_gives_different_tensors() -> None:

@@ -45,11 +45,16 @@ def test_unknown_dtype_refused() -> None:
         build_manifest(load_model_config("tiny-llama") | {"torch_dtype": "int4"})
 
 
-def test_mtp_layers_named_as_not_synced() -> None:
+def test_mtp_layers_are_a_part_of_the_manifest_or_named_as_not_synced() -> None:
+    # DeepSeek-V3's MTP layer is the manifest's `mtp` part (tests/test_mtp_parts.py); a family
+    # whose MTP form is not mapped (GLM-4.5) is still named, in one line, as not synced.
     config = load_model_config("deepseek-v3")
-    assert not_synced(config) == [
-        "1 MTP layer(s) (num_nextn_predict_layers=1, model.layers.61.*): not synced"
+    assert not_synced(config) == []
+    assert {t.name.split(".")[2] for t in build_manifest(config).mtp} == {"61"}
+    assert not_synced(load_model_config("glm-4.5-air")) == [
+        "1 MTP layer(s) (num_nextn_predict_layers=1, model.layers.46.*): not synced"
     ]
+    assert build_manifest(load_model_config("glm-4.5-air")).mtp == ()
     assert not_synced(load_model_config("tiny-llama")) == []
 
 
@@ -60,7 +65,10 @@ def test_model_directory_accepted(tmp_path: Path) -> None:
         load_model_config(tmp_path / "..")
 
 
-def test_plan_prints_mtp_and_takes_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_prints_mtp_and_takes_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "300")  # the table's lines unwrapped
     (tmp_path / "config.json").write_text(
         json.dumps(load_model_config("tiny-deepseek-v3") | {"num_nextn_predict_layers": 1})
     )
@@ -70,10 +78,11 @@ def test_plan_prints_mtp_and_takes_a_directory(tmp_path: Path, capsys: pytest.Ca
     assert code == 0, err
     summary = json.loads(out)
     assert summary["not_synced"] == [
-        "1 MTP layer(s) (num_nextn_predict_layers=1, model.layers.3.*): not synced"
+        "destination 0 (vllm:tp=2,pp=1): mtp: 1 layer (model.layers.3.*), 838,080 bytes canonical, "
+        "not sent: destination does not serve MTP"
     ]
     code, out, _ = _cli(capsys, "plan", "--model", str(tmp_path), "--src", "tp=2", "--dst", "tp=2")
-    assert code == 0 and "not synced" in out and "MTP layer(s)" in out
+    assert code == 0 and "not synced" in out and "does not serve MTP" in out
 
 
 def test_plan_refuses_quantized_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,4 @@
-"""MTP layers (DeepSeek-V3's num_nextn_predict_layers) are named as not synced in the sync report."""
+"""The sync report names the MTP part (DeepSeek-V3's num_nextn_predict_layers) a destination is not sent."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from sync_runtime.schema.report import SyncReport, SyncResult
 pytestmark = pytest.mark.unit
 
 
-def _report(preset: str) -> SyncReport:
+def _report(preset: str, *, mtp: bool = False) -> SyncReport:
     manifest = build_manifest(load_model_config(preset))
     src, dst = ParallelSpec(tp=2), ParallelSpec(tp=2)
     plan = plan_sync(
         manifest,
-        SideSpec("megatron", src, tuple(enumerate_ranks(src, Role.SOURCE))),
-        [SideSpec("vllm", dst, tuple(enumerate_ranks(dst, Role.DESTINATION)))],
+        # A Megatron source holds no MTP layers: a destination that serves them needs an hf source.
+        SideSpec("hf" if mtp else "megatron", src, tuple(enumerate_ranks(src, Role.SOURCE))),
+        [SideSpec("vllm", dst, tuple(enumerate_ranks(dst, Role.DESTINATION)), mtp)],
         PlannerConfig(),
     )
     now = datetime.now(UTC)
@@ -30,12 +31,19 @@ def _report(preset: str) -> SyncReport:
     return SyncReport(version="v1", started_at=now, finished_at=now, result=SyncResult.SUCCEEDED, **fields)
 
 
-def test_mtp_layers_are_listed_in_the_report() -> None:
+def test_mtp_not_sent_is_listed_in_the_report() -> None:
     report = _report("tiny-deepseek-v3")  # num_nextn_predict_layers=1, 3 decoder layers
-    assert report.not_synced == ["1 MTP layer(s) (num_nextn_predict_layers=1, model.layers.3.*): not synced"]
+    assert report.not_synced == [
+        "destination 0 (vllm:tp=2,pp=1): mtp: 1 layer (model.layers.3.*), 838,080 bytes canonical, "
+        "not sent: destination does not serve MTP"
+    ]
     wire = report.model_dump(mode="json", by_alias=True)
     assert wire["notSynced"] == report.not_synced
     assert SyncReport.model_validate(wire) == report
+
+
+def test_a_destination_serving_mtp_leaves_nothing_out() -> None:
+    assert _report("tiny-deepseek-v3", mtp=True).not_synced == []
 
 
 def test_a_model_without_mtp_reports_nothing_left_out() -> None:

@@ -21,9 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from sync_runtime.cli.checks import InputError, check_demo, check_run
+from sync_runtime.cli.sides import destination_sides
 from sync_runtime.core.layouts.base import RankShard
-from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest, load_model_config, not_synced
+from sync_runtime.core.manifest import MTP_PART, Manifest
+from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import PlanError, TopologyError, WeightSyncError
@@ -64,6 +65,13 @@ def _add_sync_arguments(parser: argparse.ArgumentParser) -> None:
         "--dst-layout",
         action="append",
         help="destination layout (default: vllm); once for all destinations or once per --dst",
+    )
+    parser.add_argument(
+        "--dst-mtp",
+        action="append",
+        choices=("on", "off"),
+        help="whether a destination serves MTP (is sent the model's MTP layers; default: off); "
+        "once for all destinations or once per --dst",
     )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node when enumerating")
     parser.add_argument("--bucket-mb", type=float, default=64, help="bucket size in MiB (default: 64)")
@@ -185,18 +193,7 @@ def sync_inputs(args: argparse.Namespace) -> SyncInputs:
     source = SideSpec(
         args.src_layout, src_spec, tuple(enumerate_ranks(src_spec, Role.SOURCE, args.gpus_per_node))
     )
-    layouts = args.dst_layout or ["vllm"]
-    if len(layouts) not in (1, len(args.dst)):
-        raise PlanError(f"{len(layouts)} --dst-layout for {len(args.dst)} --dst: give one, or one per --dst")
-    destinations = []
-    for i, text in enumerate(args.dst):
-        spec = ParallelSpec.parse(text)
-        coords = enumerate_ranks(spec, Role.DESTINATION, args.gpus_per_node)
-        if len(args.dst) > 1:  # keep the sides on separate nodes, as separate deployments are
-            coords = [
-                dataclasses.replace(c, node=c.node.replace("destination", f"destination{i}")) for c in coords
-            ]
-        destinations.append(SideSpec(layouts[i % len(layouts)], spec, tuple(coords)))
+    destinations = destination_sides(args)
     config = PlannerConfig(
         bucket_bytes=int(args.bucket_mb * MiB),
         staging_budget_bytes=int(args.staging_mb * MiB),
@@ -217,7 +214,7 @@ def plan_summary(inputs: SyncInputs, plan: SyncPlan) -> dict[str, Any]:
         "destinations": [f"{d.layout}:{d.spec.describe()}" for d in inputs.destinations],
         "src_ranks": len(inputs.source.coords),
         "dst_ranks": sum(len(d.coords) for d in inputs.destinations),
-        "not_synced": not_synced(inputs.manifest.config),
+        "mtp_bytes": inputs.manifest.part_nbytes(MTP_PART),
         **stats,
         "digest": plan.digest,
     }
@@ -259,6 +256,7 @@ def table_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         ("tensors", f"{s['tensors']:,}"),
         ("model bytes", _size(s["model_bytes"])),
         ("not synced", "; ".join(s["not_synced"]) or "-"),
+        *(tuple(line.split(": ", 1)) for line in s.get("parts", ())),  # one per destination
         ("ranks src / dst", f"{s['src_ranks']} / {s['dst_ranks']}"),
         ("transfers / buckets", f"{s['transfers']:,} / {s['buckets']:,}"),
         ("rounds", f"{s['rounds']:,}"),

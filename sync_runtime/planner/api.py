@@ -26,6 +26,7 @@ from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import RankCoord, Role
 from sync_runtime.errors import LayoutError, PlanError, TopologyError
 from sync_runtime.planner import lanes as _lanes
+from sync_runtime.planner import parts as _parts
 from sync_runtime.planner import relay as _relay
 from sync_runtime.planner.config import PlannerConfig, SideSpec
 from sync_runtime.planner.digest import inputs_encoding, plan_digest
@@ -63,7 +64,8 @@ def plan_sync(
     # millions of small acyclic objects (gc_pause.py)
     with gc_paused(), hugepages_unadvised():
         plan = _plan(manifest, source, destinations, config, layout_lookup or _layouts.get_layout)
-    plan.stats["not_synced"] = not_synced(manifest.config)  # for plan's output and the report
+    # for plan's output and the report: what no destination gets, and MTP where a side gets none
+    plan.stats["not_synced"] = not_synced(manifest.config) + plan.stats["mtp_not_sent"]
     plan.stats["plan_seconds"] = time.perf_counter() - started
     plan.stats["plan_cpu_seconds"] = time.process_time() - started_cpu
     return plan
@@ -79,14 +81,21 @@ def _plan(
     sides = [source, *destinations]
     _check_sides(source, destinations)
     ranks = tuple(c for side in sides for c in side.coords)
-    cells = _source_cells(manifest, source, lookup(source.layout))
-    builder = NeedBuilder(cells, manifest.by_name(), config.effective_bucket_bytes)
-    side_instances = _destination_instances(manifest, destinations, lookup, builder, len(source.coords))
-    inputs = inputs_encoding(manifest, sides, config)
+    # The sources hold the MTP part only when a destination serves it (a source layout without
+    # MTP rules, Megatron's, is refused then and only then).
+    planned = _parts.planned_manifest(manifest, destinations)
+    cells = _source_cells(planned, source, lookup(source.layout))
+    builder = NeedBuilder(cells, planned.by_name(), config.effective_bucket_bytes)
+    manifests = (manifest, planned)
+    side_instances = _destination_instances(manifests, destinations, lookup, builder, len(source.coords))
+    inputs = inputs_encoding(planned, sides, config)
     plans = []
     for chains in _relay.candidate_chains(config, destinations, ranks, side_instances):
-        plans.append(_build(ranks, side_instances, chains, config, inputs, len(manifest.tensors)))
-    return min(plans, key=lambda p: (p.stats["predicted_seconds"], p.relay))
+        plans.append(_build(ranks, side_instances, chains, config, inputs, len(planned.tensors)))
+    plan = min(plans, key=lambda p: (p.stats["predicted_seconds"], p.relay))
+    shared = [_parts.shared_with_target(lookup(d.layout), planned) for d in destinations]
+    plan.stats.update(_parts.part_stats(manifest, destinations, side_instances, shared))
+    return plan
 
 
 def _check_sides(source: SideSpec, destinations: Sequence[SideSpec]) -> None:
@@ -133,23 +142,25 @@ def _position(coord: RankCoord) -> tuple[int, ...]:
 
 
 def _destination_instances(
-    manifest: Manifest,
+    manifests: tuple[Manifest, Manifest],
     destinations: Sequence[SideSpec],
     lookup: LayoutLookup,
     builder: NeedBuilder,
     first_rank: int,
 ) -> list[list[Instance]]:
-    """Per destination side, its (global rank, needs) in coord order; needs shared per position."""
+    """Per destination side, its (global rank, needs) in coord order; needs shared per position.
+    `manifests`: (without, with) the MTP part; a side shards the one it holds."""
     cache: dict[tuple, list[Need]] = {}
     out: list[list[Instance]] = []
     rank = first_rank
     for index, side in enumerate(destinations):
+        manifest = manifests[side.mtp]
         layout = lookup(side.layout)
         layout.validate(manifest, side.spec)
         spec_key = dataclasses.replace(side.spec, replicas=1)
         instances: list[Instance] = []
         for coord in side.coords:
-            key = (side.layout, spec_key, _position(coord))
+            key = (side.layout, spec_key, side.mtp, _position(coord))
             needs = cache.get(key)
             if needs is None:
                 where = f"destination {index} ({side.layout}) rank {rank} {_describe(coord)}"
@@ -157,16 +168,19 @@ def _destination_instances(
             instances.append((rank, needs))
             rank += 1
         out.append(instances)
-        _check_destination_covers(manifest, side, index, instances)
+        _check_destination_covers(
+            manifest, side, index, instances, _parts.shared_with_target(layout, manifest)
+        )
     return out
 
 
 def _check_destination_covers(
-    manifest: Manifest, side: SideSpec, index: int, instances: list[Instance]
+    manifest: Manifest, side: SideSpec, index: int, instances: list[Instance], shared: frozenset[str]
 ) -> None:
+    """Every tensor is held by some rank, but those the layout shares with the target (MTP)."""
     held = {n.tensor for needs in {id(n): n for _, n in instances}.values() for n in needs}
     for t in manifest.tensors:
-        if t.name not in held:
+        if t.name not in held and t.name not in shared:
             raise LayoutError(
                 f"tensor {t.name}: destination {index} layout {side.layout} holds no piece of it"
             )

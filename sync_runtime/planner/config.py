@@ -64,3 +64,7 @@ class SideSpec:
     layout: str
     spec: ParallelSpec
     coords: tuple[RankCoord, ...]
+    mtp: bool = False
+    """A destination that serves MTP (vLLM with MTP speculative decoding) and is sent the
+    manifest's MTP part; False (the default): it is not sent it, and the plan says so. A
+    destination states it: nothing can tell from a spec whether an engine runs a drafter."""

@@ -50,7 +50,10 @@ def _side(side: SideSpec) -> dict:
     ]
     spec = dataclasses.asdict(side.spec)
     spec["layer_counts"] = None if side.spec.layer_counts is None else list(side.spec.layer_counts)
-    return {"layout": side.layout, "spec": spec, "coords": coords}
+    side_doc = {"layout": side.layout, "spec": spec, "coords": coords}
+    if side.mtp:  # only then: digests of plans without MTP stay what they were
+        side_doc["mtp"] = True
+    return side_doc
 
 
 def inputs_encoding(manifest: Manifest, sides: Sequence[SideSpec], config: PlannerConfig) -> bytes:

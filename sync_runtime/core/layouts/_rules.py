@@ -14,8 +14,8 @@ from typing import TypeVar, cast
 
 from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Box, LocalTensorMeta, Piece, Range, RankShard
-from sync_runtime.core.manifest import Manifest, TensorMeta
-from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES, ModelDims, model_dims
+from sync_runtime.core.manifest import MTP_PART, Manifest, TensorMeta
+from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES, ModelDims, model_dims, mtp_layer_count
 from sync_runtime.core.topology import ParallelSpec, RankCoord, stage_layer_ranges
 from sync_runtime.errors import LayoutError, ModelConfigError, TopologyError
 
@@ -80,6 +80,9 @@ class ModelView:
     dims: ModelDims
     top: dict[str, TensorMeta]
     layers: tuple[LayerView, ...]
+    mtp: tuple[LayerView, ...] = ()
+    """The MTP layers (part "mtp", indices >= num_layers) of a `Manifest.with_mtp()`; their dense
+    dict also holds the MTP-only tensors (`enorm.weight`, ..., see layouts/mtp.py)."""
 
 
 _VIEWS: OrderedDict[int, ModelView] = OrderedDict()
@@ -92,6 +95,7 @@ def _parse(manifest: Manifest) -> ModelView:
     except ModelConfigError as e:
         raise LayoutError(f"manifest of family {manifest.family!r}: {e}") from e
     top: dict[str, TensorMeta] = {}
+    n_layers = dims.num_layers + mtp_layer_count(manifest.config)
     dense: list[dict[str, TensorMeta]] = [{} for _ in range(dims.num_layers)]
     experts: list[list[dict[str, TensorMeta]]] = [[] for _ in range(dims.num_layers)]
     block, expert_names = MOE_CHECKPOINT_NAMES.get(dims.family, ("mlp.", {}))
@@ -105,10 +109,13 @@ def _parse(manifest: Manifest) -> ModelView:
         i = int(index)
         if expert_names and rest.startswith(block):  # the family's own MoE names -> mlp.*
             rest = "mlp." + rest[len(block) :]
-        if i >= dims.num_layers:
+        if i >= dims.num_layers and (t.part != MTP_PART or i >= n_layers):
             raise LayoutError(
-                f"{t.name}: layer {i} >= num_hidden_layers={dims.num_layers} (MTP layers are not synced)"
+                f"{t.name}: layer {i} >= num_hidden_layers={dims.num_layers} and not of the MTP part"
             )
+        while len(dense) <= i:  # an MTP layer
+            dense.append({})
+            experts.append([])
         if not rest.startswith("mlp.experts."):
             dense[i][rest] = t
             continue
@@ -122,10 +129,9 @@ def _parse(manifest: Manifest) -> ModelView:
         while len(per_layer) <= e:
             per_layer.append({})
         per_layer[e][suffix] = t
-    layers = tuple(
-        LayerView(i, f"model.layers.{i}.", dense[i], tuple(experts[i])) for i in range(dims.num_layers)
-    )
-    for layer in layers:
+    every = [LayerView(i, f"model.layers.{i}.", dense[i], tuple(experts[i])) for i in range(len(dense))]
+    layers, mtp = tuple(every[: dims.num_layers]), tuple(every[dims.num_layers :])
+    for layer in every:
         for e, tensors in enumerate(layer.experts):
             if set(tensors) != EXPERT_SUFFIXES:
                 raise LayoutError(
@@ -135,7 +141,7 @@ def _parse(manifest: Manifest) -> ModelView:
     for name in top:
         if name not in TOP_LEVEL:
             raise LayoutError(f"{name}: not a tensor any layout knows (top level: {sorted(TOP_LEVEL)})")
-    return ModelView(manifest, dims, top, layers)
+    return ModelView(manifest, dims, top, layers, mtp)
 
 
 def model_view(manifest: Manifest) -> ModelView:
@@ -304,12 +310,25 @@ class RuleLayout:
     cached by the coordinates that matter. Subclasses supply the rules (check, build, shard_key)."""
 
     name: str
+    places_mtp = False
+    """Whether this layout places MTP layers (layouts/mtp.py); a plan with them refuses it else."""
+    mtp_shared: tuple[str, ...] = ()
+    """MTP-only suffixes the layout holds no copy of: the engine uses the target model's tensors."""
 
     def __init__(self) -> None:
         self._cache = RankCache()
 
     def validate(self, manifest: Manifest, spec: ParallelSpec) -> None:
-        self.check(model_view(manifest), spec)
+        self._check(model_view(manifest), spec)
+
+    def _check(self, view: ModelView, spec: ParallelSpec) -> None:
+        if view.mtp and not self.places_mtp:
+            raise LayoutError(
+                f"{self.name}: {view.mtp[0].prefix}* (MTP): this layout has no rule for MTP layers "
+                "(Megatron-Core's mtp.layers.* are not mapped); an MTP destination needs a source "
+                "holding the canonical tensors (layout hf)"
+            )
+        self.check(view, spec)
 
     def shard(self, manifest: Manifest, spec: ParallelSpec, coord: RankCoord) -> RankShard:
         view = model_view(manifest)
@@ -319,7 +338,7 @@ class RuleLayout:
             self.shard_key(view, spec, coord),
             coord,
             lambda: self.build(view, spec, coord),
-            lambda: self.check(view, spec),
+            lambda: self._check(view, spec),
         )
 
     def check(self, view: ModelView, spec: ParallelSpec) -> None:

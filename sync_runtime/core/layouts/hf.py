@@ -7,12 +7,13 @@ down projections by columns; embedding and lm_head by rows over V padded to a mu
 (padding rows uncovered, i.e. zero); everything else is a full copy. Routed experts: with
 ep == tp, expert e lives whole on ep rank e // (E/ep); without EP each expert is split like a
 dense MLP. PP stages hold layer ranges as in `stage_layer_ranges`. DP ranks hold identical copies.
-gpt-oss's fused experts: layouts/fused_experts.py.
+gpt-oss's fused experts: layouts/fused_experts.py. MTP layers (a `Manifest.with_mtp()`): under
+their canonical names on the last stage, the decoder block by the rules above (layouts/mtp.py).
 """
 
 from __future__ import annotations
 
-from sync_runtime.core.layouts import fused_experts
+from sync_runtime.core.layouts import fused_experts, mtp
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
@@ -29,7 +30,7 @@ from sync_runtime.core.layouts._rules import (
 )
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.manifest import TensorMeta
-from sync_runtime.core.topology import ParallelSpec, RankCoord, stage_layer_ranges
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, stage_layer_ranges
 
 NAME = "hf"
 VOCAB_MULTIPLE = 64
@@ -89,6 +90,7 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
         )
     if d.fused_experts:
         fused_experts.check(view, spec, NAME)
+    mtp.check(view, NAME, lambda out, layer, dense: _mtp_block(out, view, layer, dense, spec, _ZERO))
     if t == 1:
         return
     q_name = "model.layers.0.self_attn." + (
@@ -125,6 +127,25 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
             "mlp.shared_experts.gate_proj.weight",
             f"shared intermediate {d.shared_intermediate} not divisible by tp={t}",
         )
+
+
+# Layer rules read the same tensors on every rank; coverage is proven once, on this coordinate.
+_ZERO = RankCoord(role=Role.DESTINATION)
+
+
+def _mtp_block(
+    out: ShardBuilder,
+    view: ModelView,
+    layer: LayerView,
+    dense: dict[str, TensorMeta],
+    spec: ParallelSpec,
+    coord: RankCoord,
+) -> None:
+    """An MTP layer's decoder block: every tensor by RULES (no fused experts: DeepSeek-V3 only)."""
+    for suffix in list(dense):
+        if suffix in RULES:
+            _place(out, dense[suffix], RULES[suffix], spec, coord.tp_rank, view)
+    _experts(out, view, layer, spec, coord)
 
 
 def _place(out: ShardBuilder, t: TensorMeta, rule: str, spec: ParallelSpec, r: int, view: ModelView) -> None:
@@ -180,6 +201,14 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
         out.full(view.top[FINAL_NORM], FINAL_NORM)
         if LM_HEAD in view.top:
             _vocab(out, view.top[LM_HEAD], spec, r, padded)
+        mtp.place(
+            out,
+            view,
+            lambda o, layer, dense: _mtp_block(o, view, layer, dense, spec, coord),
+            lambda layer: layer.prefix,
+            lambda layer, suffix: layer.prefix + suffix,
+            lambda t, name: _vocab(out, t, spec, r, padded),
+        )
     return out.done(coord)
 
 
@@ -192,5 +221,6 @@ def _vocab(out: ShardBuilder, t: TensorMeta, spec: ParallelSpec, r: int, padded:
 
 class HfLayout(RuleLayout):
     name = NAME
+    places_mtp = True
     check = staticmethod(_validate)
     build = staticmethod(_build)

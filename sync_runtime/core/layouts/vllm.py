@@ -22,11 +22,16 @@ per-rank shapes are those vLLM 0.32 reports from its pre-load metadata
 (engines/vllm_apply.engine_tensors; tests/engines/test_vllm_*.py check them against a live
 engine). Layer names keep global indices; stage ranges come from `stage_layer_ranges`.
 gpt-oss (biased attention with sinks, fused biased experts): layouts/fused_experts.py.
+MTP layers (a `Manifest.with_mtp()`, one layer): on the last stage, under the names of vLLM 0.32's
+drafter (DeepSeekMTP) prefixed DRAFTER: the block as `model.layers.{L}.mtp_block.*` in the fused
+forms above, `model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.norm}`; the MTP layer's
+`embed_tokens` and `shared_head.head` not at all (vLLM's drafter uses the target's embedding
+and lm_head: layouts/mtp.py, SHARED_WITH_TARGET).
 """
 
 from __future__ import annotations
 
-from sync_runtime.core.layouts import fused_experts
+from sync_runtime.core.layouts import fused_experts, mtp
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
@@ -50,6 +55,8 @@ NAME = "vllm"
 VOCAB_MULTIPLE = 64
 EXPERTS = "mlp.experts.routed_experts."
 """vLLM 0.32's FusedMoE module path inside a MoE block (Qwen3-MoE and DeepSeek alike)."""
+DRAFTER = "drafter."
+"""Local-name prefix of the MTP drafter's parameters (vLLM's DeepSeekMTP, a model of its own)."""
 MOE_BLOCK: dict[str, str] = {"mixtral": "block_sparse_moe."}
 """Families whose vLLM MoE block is not `mlp.` (vLLM's MixtralDecoderLayer.block_sparse_moe)."""
 
@@ -129,6 +136,7 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
     if d.fused_experts:
         fused_experts.check(view, spec, NAME)
     check_coverage(view, NAME, lambda out, layer, dense: _layer(out, view, layer, dense, spec, _ZERO))
+    mtp.check(view, NAME, lambda out, layer, dense: _layer(out, view, layer, dense, spec, _ZERO))
 
 
 # Layer rules read the same tensors on every rank; coverage is proven once, on this coordinate.
@@ -253,10 +261,20 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
             out.vocab_rows(view.top[LM_HEAD], LM_HEAD, vp, t, r)
         elif spec.pp > 1:  # tied: vLLM's last stage loads lm_head from the embedding
             out.vocab_rows(view.top[EMBED], LM_HEAD, vp, t, r)
+        mtp.place(
+            out,
+            view,
+            lambda o, layer, dense: _layer(o, view, layer, dense, spec, coord),
+            lambda layer: f"{DRAFTER}{layer.prefix}mtp_block.",
+            lambda layer, suffix: f"{DRAFTER}{layer.prefix}{suffix}",
+            None,  # embed_tokens, shared_head.head: the target's (SHARED_WITH_TARGET)
+        )
     return out.done(coord)
 
 
 class VllmLayout(RuleLayout):
     name = NAME
+    places_mtp = True
+    mtp_shared = mtp.SHARED_WITH_TARGET
     check = staticmethod(_validate)
     build = staticmethod(_build)

@@ -10,8 +10,12 @@ equivalents (the form a trainer and a bf16 vLLM deployment hold), without scale 
 Tensors the checkpoints store in another dtype than the config's keep it (`CHECKPOINT_DTYPES`:
 DeepSeek-V3, Kimi-K2 and GLM-4.5 store the router's `e_score_correction_bias` in F32, and
 transformers holds it as an fp32 buffer).
-MTP (`num_nextn_predict_layers`) layers are not part of the manifest: they are not synced
-(`not_synced` says so in one line for plan and the report). A `quantization_config` is refused.
+MTP (`num_nextn_predict_layers`) layers of DeepSeek-V3 are the manifest's `mtp` part (part
+"mtp"), named as the checkpoint names them: per layer L+k (L = num_hidden_layers)
+`embed_tokens` (V, H), `enorm`, `hnorm` (H), `eh_proj` (H, 2H), a decoder layer (MoE by the
+family's rule), `shared_head.norm` (H), `shared_head.head` (V, H); a plan sends them only to
+destinations that serve MTP. Other families' MTP layers are left out (`not_synced` names them).
+A `quantization_config` is refused.
 engines/hf_meta.py reads the same tensors from transformers' own model class on the meta device;
 tests/test_hf_meta.py checks every preset's manifest against it.
 """
@@ -22,8 +26,14 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-from sync_runtime.core.manifest import DTYPE_BYTES, Manifest, TensorMeta
-from sync_runtime.core.models.config import MOE_CHECKPOINT_NAMES, ModelDims, config_dtype, model_dims
+from sync_runtime.core.manifest import DTYPE_BYTES, MTP_PART, Manifest, TensorMeta
+from sync_runtime.core.models.config import (
+    MOE_CHECKPOINT_NAMES,
+    ModelDims,
+    config_dtype,
+    model_dims,
+    mtp_layers,
+)
 from sync_runtime.errors import ModelConfigError
 
 DTYPE = "bfloat16"
@@ -156,6 +166,23 @@ def tensors_of(d: ModelDims) -> Iterator[TensorMeta]:
         yield _t("lm_head.weight", d.vocab, d.hidden)
 
 
+def mtp_tensors_of(d: ModelDims, layers: list[tuple[int, bool]]) -> Iterator[TensorMeta]:
+    """The MTP part's tensors (part MTP_PART), in the checkpoint's module order per layer."""
+    for i, moe in layers:
+        p = f"model.layers.{i}"
+        layer_dims = dataclasses.replace(d, moe_layers=d.moe_layers | {i} if moe else d.moe_layers)
+        tensors = (
+            _t(f"{p}.embed_tokens.weight", d.vocab, d.hidden),
+            _t(f"{p}.enorm.weight", d.hidden),
+            _t(f"{p}.hnorm.weight", d.hidden),
+            _t(f"{p}.eh_proj.weight", d.hidden, 2 * d.hidden),
+            *_layer(i, layer_dims),
+            _t(f"{p}.shared_head.norm.weight", d.hidden),
+            _t(f"{p}.shared_head.head.weight", d.vocab, d.hidden),
+        )
+        yield from (dataclasses.replace(t, part=MTP_PART) for t in tensors)
+
+
 def build_manifest(config: dict[str, Any]) -> Manifest:
     """The canonical manifest of an HF config dict (see `load_model_config`).
 
@@ -164,8 +191,15 @@ def build_manifest(config: dict[str, Any]) -> Manifest:
     dims = model_dims(config)
     dtype = config_dtype(config, ("bfloat16", "float16", "float32"))
     tensors = tuple(_in_checkpoint_dtype(t, dtype) for t in tensors_of(dims))
-    tensors = _with_dtypes(tensors, config.get(TENSOR_DTYPES_KEY) or {})
-    return Manifest(family=dims.family, tensors=tensors, config=dict(config), dtype=dtype)
+    mtp = tuple(_in_checkpoint_dtype(t, dtype) for t in mtp_tensors_of(dims, mtp_layers(config)))
+    both = _with_dtypes(tensors + mtp, config.get(TENSOR_DTYPES_KEY) or {})
+    return Manifest(
+        family=dims.family,
+        tensors=both[: len(tensors)],
+        config=dict(config),
+        dtype=dtype,
+        mtp=both[len(tensors) :],
+    )
 
 
 def _in_checkpoint_dtype(t: TensorMeta, dtype: str) -> TensorMeta:

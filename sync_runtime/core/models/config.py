@@ -332,17 +332,43 @@ def config_dtype(config: dict[str, Any], known: tuple[str, ...]) -> str:
     return str(value)
 
 
+MTP_FAMILIES: frozenset[str] = frozenset({"deepseek_v3"})
+"""Families whose MTP layers the manifest holds as its `mtp` part (DeepSeek-V3's checkpoint form:
+`model.layers.{L}.{embed_tokens,enorm,hnorm,eh_proj,shared_head.norm,shared_head.head}` plus
+a decoder layer). Other families' MTP layers (GLM-4.5's) stay out, named by `not_synced`."""
+
+
+def mtp_layer_count(config: dict[str, Any]) -> int:
+    """n = num_nextn_predict_layers (0 when absent or not a positive int)."""
+    n = config.get("num_nextn_predict_layers") or 0
+    return n if isinstance(n, int) and n > 0 else 0
+
+
+def mtp_span(config: dict[str, Any]) -> str:
+    """The MTP layers' checkpoint names, e.g. `model.layers.61.*` or `model.layers.61..62.*`."""
+    first, n = int(config.get("num_hidden_layers") or 0), mtp_layer_count(config)
+    return f"model.layers.{first}{'' if n == 1 else f'..{first + n - 1}'}.*"
+
+
+def mtp_layers(config: dict[str, Any]) -> list[tuple[int, bool]]:
+    """(index, MoE?) of each MTP layer of an MTP_FAMILIES config: L..L+n-1, MoE by DeepSeek's rule
+    for any layer (index >= first_k_dense_replace and index % moe_layer_freq == 0)."""
+    if model_family(config) not in MTP_FAMILIES:
+        return []
+    first = int(config["num_hidden_layers"])
+    dense = int(config.get("first_k_dense_replace") or 0)
+    freq = int(config.get("moe_layer_freq") or 1)
+    indices = range(first, first + mtp_layer_count(config))
+    return [(i, i >= dense and i % freq == 0) for i in indices]
+
+
 def not_synced(config: dict[str, Any]) -> list[str]:
-    """What of the checkpoint the manifest leaves out, one line each (printed by plan and the report)."""
-    out = []
-    mtp = config.get("num_nextn_predict_layers") or 0
-    if isinstance(mtp, int) and mtp > 0:
-        first = config.get("num_hidden_layers", 0)
-        out.append(
-            f"{mtp} MTP layer(s) (num_nextn_predict_layers={mtp}, model.layers.{first}"
-            f"{'' if mtp == 1 else f'..{first + mtp - 1}'}.*): not synced"
-        )
-    return out
+    """What of the checkpoint the manifest leaves out, one line each (printed by plan and the
+    report): MTP layers of a family outside MTP_FAMILIES (those of MTP_FAMILIES are its `mtp` part)."""
+    n = mtp_layer_count(config)
+    if n == 0 or model_family(config) in MTP_FAMILIES:
+        return []
+    return [f"{n} MTP layer(s) (num_nextn_predict_layers={n}, {mtp_span(config)}): not synced"]
 
 
 def model_dims(config: dict[str, Any]) -> ModelDims:
