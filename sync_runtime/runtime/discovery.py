@@ -33,6 +33,7 @@ from sync_runtime.core.models.config import model_dims
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError, describe_unexpected
 from sync_runtime.planner import SideSpec
+from sync_runtime.runtime.mtp_side import ReportedRank, side_holds_mtp
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.runtime.registry import Registration, actor_id, forget_dead, registered
 from sync_runtime.runtime.servers import with_server_actors
@@ -62,10 +63,12 @@ class DiscoveredSide:
     role: Role
     spec: ParallelSpec
     participants: tuple[Participant, ...]
+    mtp: bool = False
+    """Its ranks hold the manifest's MTP part (what they report: runtime/mtp_side.py)."""
 
     def side_spec(self) -> SideSpec:
         coords = tuple(p.meta.coord for p in self.participants)
-        return SideSpec(layout=self.ref.layout, spec=self.spec, coords=coords)
+        return SideSpec(layout=self.ref.layout, spec=self.spec, coords=coords, mtp=self.mtp)
 
 
 def rank_label(coord: RankCoord) -> str:
@@ -180,6 +183,15 @@ def check_side(
     get_layout(ref.layout).validate(manifest, spec)
     problems = _identity_problems(ref, role, participants)
     expected = {c.key: c for c in enumerate_ranks(spec, role)}
+    reported = [
+        ReportedRank(
+            f"rank {rank_label(p.meta.coord)}", p.meta.coord, frozenset(t.name for t in p.meta.tensors)
+        )
+        for p in participants
+        if p.meta.layout == ref.layout and p.meta.role is role and p.meta.coord.key in expected
+    ]
+    mtp = side_holds_mtp(ref.name, ref.layout, spec, manifest, reported)
+    manifest = manifest.with_mtp() if mtp else manifest  # the tensors its ranks are checked against
     by_key = {p.meta.coord.key: p for p in participants}
     problems += _size_problems(spec, role, [p.meta.coord for p in participants])
     for key, want in expected.items():
@@ -203,7 +215,7 @@ def check_side(
     if problems:
         raise TopologyMismatchError(_format(ref, spec, problems))
     ordered = tuple(dataclasses.replace(by_key[key], wire_dtypes=casts.get(key, ())) for key in expected)
-    return DiscoveredSide(ref=ref, role=role, spec=spec, participants=ordered)
+    return DiscoveredSide(ref=ref, role=role, spec=spec, participants=ordered, mtp=mtp)
 
 
 def _declared_expert_coords(p: Participant, want: RankCoord) -> Participant:
@@ -321,6 +333,7 @@ def topology_digest(manifest: Manifest, sides: Sequence[DiscoveredSide]) -> str:
                 "layout": s.ref.layout,
                 "spec": dataclasses.asdict(s.spec),
                 "ranks": [[dataclasses.asdict(p.meta.coord), p.meta.actor_id] for p in s.participants],
+                **({"mtp": True} if s.mtp else {}),  # digests of sides without MTP unchanged
             }
             for s in sides
         ],
@@ -354,4 +367,10 @@ def discover_all(
     roles = [Role.SOURCE] + [Role.DESTINATION] * len(spec.destinations)
     refs = [spec.source, *spec.destinations]
     sides = [check_side(ref, role, ps, manifest) for ref, role, ps in zip(refs, roles, found, strict=True)]
+    serving = [s.ref.name for s in sides[1:] if s.mtp]
+    if serving and not sides[0].mtp:
+        raise TopologyMismatchError(
+            f"destination {serving[0]!r} serves MTP (its ranks report draft tensors), but source "
+            f"{spec.source.name!r} holds no MTP part to send"
+        )
     return manifest, sides, topology_digest(manifest, sides)
