@@ -2,9 +2,10 @@
 
     register_vllm_actor("rollout", engine_actor, namespace="rl", replica=0)
 
-`engine_actor` is a Ray actor the user wrote that holds an offline `vllm.LLM` started with
-`weight_transfer_config={"backend": "weightsync"}` (engines/vllm_ranks.py, `ActorControl`: the
-engine is its one `LLM` attribute, or the attribute named by `attr`). WeightSync starts one
+`engine_actor` is a Ray actor the user wrote that holds a `vllm.LLM` or an `AsyncLLM` started
+with `weight_transfer_config={"backend": "weightsync"}` (engines/vllm_actor.py, `ActorControl`:
+the engine is its one such attribute, or the attribute named by `attr`; an `AsyncLLM`'s actor
+exposes the `weightsync` adapter method). WeightSync starts one
 `VllmEngineRanks` actor next to it, unnamed and owned by the caller, which speaks the rank
 protocol and drives the engine through vLLM's weight-transfer calls; that actor is registered
 for the deployment (runtime/registry.py), so discovery finds the engine's ranks by the
@@ -18,7 +19,8 @@ from typing import Any
 
 import ray
 
-from sync_runtime.engines.vllm_ranks import ActorControl, VllmEngineRanks
+from sync_runtime.engines.vllm_actor import ActorControl
+from sync_runtime.engines.vllm_ranks import VllmEngineRanks
 from sync_runtime.runtime.registry import register
 
 MAX_RANKS = 8
@@ -35,7 +37,7 @@ def register_vllm_actor(
     pause: str = "keep",
     ready_timeout_s: float = 300.0,
 ) -> Any:
-    """Attach WeightSync to the `vllm.LLM` inside `engine_actor`, register it as replica `replica`
+    """Attach WeightSync to the vLLM engine inside `engine_actor`, register it as replica `replica`
     of `deployment` in Ray namespace `namespace`, and return the ranks actor's handle (keep it:
     the ranks actor lives as long as its owner, the caller's process)."""
     ranks = (

@@ -16,10 +16,8 @@ it reaches the engine only through vLLM's own weight-transfer control surface, v
   version label) and resumes generation. The seconds between the two are this replica's pause, reported apart
   from the transfer (`pause_seconds`).
 
-`ActorControl` drives an offline `vllm.LLM` held by a Ray actor the user wrote, by convention:
-no base class and no method to add; the engine is the actor's one attribute holding an `LLM`
-(or the attribute named). An `LLM` is synchronous, so pause and resume are no-ops there: the
-actor runs one call at a time, and the apply is one call, never concurrent with a `generate`.
+`HttpControl` (engines/vllm_http.py) drives a `vllm serve` server; `ActorControl`
+(engines/vllm_actor.py) a `vllm.LLM` or `AsyncLLM` inside a Ray actor the user wrote.
 """
 
 from __future__ import annotations
@@ -66,82 +64,6 @@ class EngineControl(Protocol):
     def resume(self) -> None: ...
     def version(self) -> str: ...
     def alive(self) -> bool: ...
-
-
-def find_engine(instance: Any, attr: str | None) -> Any:
-    """The `vllm.LLM` a user's actor holds: `attr`, or its only attribute that is one."""
-    from vllm import LLM
-
-    if attr is not None:
-        engine = getattr(instance, attr, None)
-        if not isinstance(engine, LLM):
-            raise DestinationError(f"{type(instance).__name__}.{attr} is not a vllm.LLM")
-        return engine
-    found = [k for k, v in vars(instance).items() if isinstance(v, LLM)]
-    if len(found) != 1:
-        raise DestinationError(
-            f"{type(instance).__name__} holds {len(found)} vllm.LLM attributes ({found}): name one"
-        )
-    return getattr(instance, found[0])
-
-
-def _engine_call(instance: Any, attr: str | None, op: str, args: tuple) -> Any:
-    """Runs inside the user's actor (`__ray_call__`): one control operation on its LLM."""
-    llm = find_engine(instance, attr)
-    if op == "world_size":
-        return int(llm.llm_engine.vllm_config.parallel_config.world_size)
-    if op == "init":
-        return llm.init_weight_transfer_engine({"init_info": args[0]})
-    if op == "start":
-        return llm.start_weight_update()
-    if op == "update":
-        return llm.update_weights({"update_info": args[0]})
-    if op == "finish":
-        return llm.finish_weight_update(weight_version=args[0])
-    if op == "version":
-        return str(llm.get_weight_version())
-    raise DestinationError(f"unknown engine operation {op!r}")
-
-
-class ActorControl:
-    """EngineControl of an offline `vllm.LLM` inside a user's Ray actor (see module doc)."""
-
-    def __init__(self, actor: Any, attr: str | None = None, timeout_s: float = ANSWER_TIMEOUT_S) -> None:
-        self.actor, self.attr, self.timeout_s = actor, attr, timeout_s
-
-    def _call(self, op: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(
-            self.actor.__ray_call__.remote(_engine_call, self.attr, op, args), timeout=self.timeout_s
-        )
-
-    def world_size(self) -> int:
-        return int(self._call("world_size"))
-
-    def init(self, init_info: dict[str, Any]) -> None:
-        self._call("init", init_info)
-
-    def start(self) -> None:
-        self._call("start")
-
-    def update(self, update_info: dict[str, Any]) -> None:
-        self._call("update", update_info)
-
-    def finish(self, version: str | None) -> None:
-        self._call("finish", version)
-
-    def pause(self, mode: str) -> None:
-        pass  # LLM: no step runs between the actor's calls
-
-    def resume(self) -> None:
-        pass
-
-    def version(self) -> str:
-        return str(self._call("version"))
-
-    def alive(self) -> bool:
-        return True  # a dead actor fails the next control call instead
 
 
 class VllmEngineRanks(RankBatcher):

@@ -20,8 +20,9 @@ import ray
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.engines.vllm_actor import ActorControl
 from sync_runtime.engines.vllm_apply import check_vllm_version
-from sync_runtime.engines.vllm_ranks import ActorControl, attach
+from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.errors import DestinationError
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
