@@ -202,12 +202,16 @@ def vllm_model_config(model: str) -> dict[str, Any]:
 
 def write_model(directory: Path, config: dict[str, Any], manifest: Manifest, seed: int, version: str) -> str:
     """An HF model dir: config.json + model.safetensors holding the demo's canonical tensors of
-    (seed, version), the same bits the demo's source actors hold shards of."""
+    (seed, version), the same bits the demo's source actors hold shards of. A model with MTP
+    layers (`num_nextn_predict_layers` > 0: `manifest.mtp`) gets those too, under the checkpoint's
+    names (`model.layers.{L}.*`), seeded like the rest, so a vLLM serving MTP loads its drafter
+    from them; without MTP layers the file is what it always was."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
-    weights = {n: bits_to_torch(a) for n, a in reference_weights(manifest, seed, version).items()}
+    written = manifest.with_mtp() if manifest.mtp else manifest
+    weights = {n: bits_to_torch(a) for n, a in reference_weights(written, seed, version).items()}
     save_file({n: t.contiguous() for n, t in weights.items()}, str(directory / "model.safetensors"))
     return str(directory)
 
