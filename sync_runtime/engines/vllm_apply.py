@@ -9,8 +9,9 @@ Two jobs, both inside a vLLM worker process:
   fixes vLLM 0.32's reload path lacks (MoE kernel prepack, tied lm_head).
 
 This is the one module that names vLLM's private API (`vllm.model_executor.model_loader.
-reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`; and
-`set_default_quant_scales` of its attention layers). It changes between
+reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`;
+`set_default_quant_scales` of its attention layers; and where an engine speculates with MTP, its
+worker's `model_runner.drafter.model`, see `mtp_drafter`). It changes between
 releases, so `KNOWN_VLLM` lists the releases whose internals were read and found to hold those
 names with the meaning used here, and
 `require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
@@ -20,7 +21,7 @@ setup and the weightsync backend's `init_transfer_engine` call it before anythin
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,34 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str, EngineTensor]:
+def mtp_drafter(model_runner: Any, vllm_config: Any) -> torch.nn.Module | None:
+    """The MTP drafter's model in a worker when the engine speculates with method "mtp" (vLLM
+    0.32 normalises "deepseek_mtp" and the like to it): `model_runner.drafter` is an
+    EagleProposer, its `model` a DeepSeekMTP holding the checkpoint's MTP layers and the
+    target's own embed_tokens and lm_head modules (shared: the proposer replaces its copies).
+    None without speculation or with another proposer (its weights are not the MTP part)."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    if speculative is None or getattr(speculative, "method", None) != "mtp":
+        return None
+    model = getattr(getattr(model_runner, "drafter", None), "model", None)
+    if not isinstance(model, torch.nn.Module):
+        # The weightsync transfer-engine backend (vllm_plugin) is handed the target model only:
+        # refused rather than leaving a drafter that serves stale weights.
+        raise DestinationError(
+            "the engine speculates with MTP, but its drafter model is not reachable here (the "
+            "weightsync backend is given the target model only): the drafter would keep stale weights"
+        )
+    return model
+
+
+def draft_model_config(vllm_config: Any) -> Any:
+    """The drafter's ModelConfig (vLLM's post-load processing of its attention layers reads it)."""
+    return vllm_config.speculative_config.draft_model_config
+
+
+def engine_tensors(
+    model: torch.nn.Module, model_dtype: torch.dtype, shared: Collection[torch.Tensor] = ()
+) -> dict[str, EngineTensor]:
     """Every tensor of the live model a sync writes, in module order, each object once.
 
     Parameters with restore metadata are reported with their logical shard shape (live CPU
@@ -85,13 +113,14 @@ def engine_tensors(model: torch.nn.Module, model_dtype: torch.dtype) -> dict[str
     float32 one is reported in the checkpoint dtype, as vLLM's loader accepts it, and staged in
     fp32 (a bf16 wire is widened exactly on receipt; an fp32 wire, e.g. Megatron's fp32
     `expert_bias`, arrives unchanged). Derived tensors (MLA W_UV/W_UK_T: no metadata) and alias
-    paths of the same Parameter (tied lm_head, the experts' view of the gate bias) are not reported.
+    paths of the same Parameter (tied lm_head, the experts' view of the gate bias) are not reported,
+    nor `shared` ones (another model's: the target's embedding and lm_head an MTP drafter uses).
     """
     require_supported_vllm()
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
     from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS
 
-    seen: set[int] = set()
+    seen: set[int] = {id(t) for t in shared}
     family = family_load.model_type(model)
     out: dict[str, EngineTensor] = {}
     for mname, mod in model.named_modules():
@@ -179,9 +208,12 @@ class ApplyReport:
     tied_reprocessed: tuple[str, ...]
 
 
-def apply_shards(model: torch.nn.Module, vllm_config: Any, staged: Mapping[str, torch.Tensor]) -> ApplyReport:
+def apply_shards(
+    model: torch.nn.Module, vllm_config: Any, staged: Mapping[str, torch.Tensor], model_config: Any = None
+) -> ApplyReport:
     """Steps 1-7 of docs/vllm.md: re-materialise, copy, post-process, restore, finalize, tied,
-    attention scales."""
+    attention scales. `model_config`: the one `model` was built from (default: the engine's;
+    an MTP drafter's is `draft_model_config`)."""
     require_supported_vllm()
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload.layerwise import (
@@ -200,7 +232,7 @@ def apply_shards(model: torch.nn.Module, vllm_config: Any, staged: Mapping[str, 
         for mname, params in by_module.items():
             moe += _apply_module(model.get_submodule(mname), mname, params)  # 2-3
         with span("apply.finalize"):
-            finalize_layerwise_reload(model, vllm_config.model_config)  # 4: others back; MLA re-derived
+            finalize_layerwise_reload(model, model_config or vllm_config.model_config)  # 4: MLA re-derived
         with span("apply.tied_and_scales"):
             tied = _reprocess_tied(model, by_module)  # 5
             if getattr(vllm_config, "quant_config", None) is None:

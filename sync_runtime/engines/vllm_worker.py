@@ -31,9 +31,11 @@ from sync_runtime.engines.vllm_apply import (
     check_staged,
     engine_tensors,
     kernel_state,
+    mtp_drafter,
     require_supported_vllm,
 )
 from sync_runtime.engines.vllm_delta import CommittedBase, widened
+from sync_runtime.engines.vllm_drafter import WithDrafter, apply_with_drafter, drafter_tensors
 from sync_runtime.errors import DestinationError, ParticipantError, StagingError, SyncStep, WeightSyncError
 from sync_runtime.runtime.participant import ParticipantMeta, WeightSyncParticipant
 from sync_runtime.transfer import RankResult, TransferConfig, spans
@@ -326,16 +328,24 @@ class VllmWorkerExtension:
         return self._ws_index
 
     def _ws_setup(self, replica: int, node: str, actor_name: str, actor_id: str) -> ParticipantMeta:
-        """Become a destination rank: tensors and coordinates read from the live engine."""
+        """Become a destination rank: tensors and coordinates read from the live engine (its
+        MTP drafter's too, where it has one: vllm_drafter.py)."""
         require_supported_vllm()
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         check_expert_placement(vllm_config)
         model = self.model_runner.model  # type: ignore[attr-defined]
         coord, self._ws_index = _worker_coord(self, replica, node)
-        expected = engine_tensors(model, vllm_config.model_config.dtype)
-        staging = VllmStaging(expected, lambda staged: apply_shards(model, vllm_config, staged))
+        dtype = vllm_config.model_config.dtype
+        expected = engine_tensors(model, dtype)
+        apply: Applier = lambda staged: apply_shards(model, vllm_config, staged)  # noqa: E731
+        drafter = mtp_drafter(self.model_runner, vllm_config)  # type: ignore[attr-defined]
+        if drafter is not None:
+            expected |= drafter_tensors(drafter, model, dtype)
+            apply = lambda staged: apply_with_drafter(model, drafter, vllm_config, staged)  # noqa: E731
+        staging = VllmStaging(expected, apply)
         part = self.participant_class()
-        part.actor_name, part.actor_id, part.model = actor_name, actor_id, model
+        part.actor_name, part.actor_id = actor_name, actor_id
+        part.model = model if drafter is None else WithDrafter(model, drafter)  # what kernels read
         part.ws_init(role=Role.DESTINATION, coord=coord, layout="vllm", tensors={}, destination=staging)
         self._ws_part = part
         return part.ws_meta()

@@ -28,7 +28,8 @@ class HfDemoSource(WeightSyncParticipant):
     ) -> None:
         torch.set_num_threads(1)  # many ranks share few cores; one thread each avoids thrashing
         config = model_config(model)
-        self._manifest, self._spec = build_manifest(config), spec
+        # With the MTP part where the model has one (a destination serving MTP is sent it from here).
+        self._manifest, self._spec = build_manifest(config).with_mtp(), spec
         self.ws_init(
             role=Role.SOURCE,
             coord=coord,
@@ -49,3 +50,9 @@ class HfDemoSource(WeightSyncParticipant):
             st.tensors[name].copy_(value)
         st.version = version
         return version
+
+    def scramble(self, name: str) -> None:
+        """Negative controls: every value of local tensor `name` changes (+1, exact in bf16 at
+        these magnitudes), in place, the version label kept."""
+        with torch.no_grad():
+            self._ws_state().tensors[name].add_(1.0)

@@ -1,0 +1,166 @@
+"""DeepSeek-V3's MTP (draft) layers synced into a real vLLM drafter (issue 24 item 5, end to end).
+
+A tiny DeepSeek-V3 with one MTP layer (num_nextn_predict_layers=1). The destination is a
+dummy-weight vLLM at TP 1 with MTP speculative decoding (its drafter: vLLM's EagleProposer
+around a DeepSeekMTP); the source an HF-layout rank holding the canonical tensors, the MTP
+layer's included. No declaration says the engine serves MTP: its rank reports the drafter's
+tensors, so discovery plans it the MTP part (runtime/mtp_side.py). The oracle is the same engine
+loaded from the checkpoint (write_model writes the MTP layer), through the reference cache.
+
+- The rank reports the vllm layout's shard of the model with MTP (the drafter's tensors under
+  `drafter.`, never the shared embedding / lm_head twice, never the derived W_UK_T / W_UV).
+- After the sync, every tensor the kernels read, the drafter's included (its CPU-repacked
+  linears, prepacked experts and re-derived MLA W_UK_T / W_UV), equals the oracle's bit for bit,
+  and greedy generation (with speculative decoding) equals the oracle's. Negative control:
+  before the sync, the drafter's state differs from the oracle's.
+- Negative control: a sync whose source MTP eh_proj is scrambled leaves the drafter's eh_proj
+  unlike the oracle's (and only it: the main model still equals the oracle). Greedy output does
+  not depend on the draft, so the drafter's state is what tells them apart.
+
+One engine start in the module (plus the oracle on a reference-cache miss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.models import build_manifest
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
+from sync_runtime.engines.vllm_replica import WORKER_EXTENSION, VllmReplica, replica_options
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.report import NullReporter, SyncResult
+from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_participants
+from sync_runtime.testing.hf_source import HfDemoSource
+from sync_runtime.testing.vllm_deploy import destination_ref, stop_replicas, sync_spec, wait_ready
+from sync_runtime.testing.vllm_models import CONFIGS, write_model
+from tests.support.vllm_deploy import engine_env, generations, kernel_checksums, rows_equal
+from tests.support.vllm_oracle import finish_oracles, start_oracles
+
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
+NS = "vllm-mtp"
+DST = ParallelSpec.parse("tp=1")
+CONFIG = CONFIGS["deepseek_v3"] | {"num_nextn_predict_layers": 1}
+DRAFTER = "drafter."
+EH_PROJ = "model.layers.2.eh_proj.weight"
+"""The MTP layer's eh_proj (layer 2 = num_hidden_layers): the source's canonical name; the drafter
+holds it as DRAFTER + EH_PROJ (a plain nn.Linear: its kernel reads the weight itself)."""
+BIAS = "e_score_correction_bias"  # fp32 in vLLM, reported in the model dtype (as test_vllm_deepseek)
+
+
+def start_mtp_replica(
+    name: str, namespace: str, model_dir: str, *, tp: int, mtp: int, load_format: str = "dummy"
+) -> Any:
+    """A VllmReplica speculating with `mtp` MTP draft tokens (vLLM's "mtp" method)."""
+    options = replica_options(name, namespace, tp, engine_env(tp))
+    speculative = {"method": "mtp", "num_speculative_tokens": mtp}
+    return (
+        ray.remote(VllmReplica)
+        .options(**options)
+        .remote(
+            model_dir,
+            tensor_parallel_size=tp,
+            load_format=load_format,
+            worker_extension_cls=WORKER_EXTENSION,
+            engine_args={"speculative_config": speculative},
+        )
+    )
+
+
+def _destinations(c: RankCoord) -> bool:
+    return c.role is Role.DESTINATION  # the engine is the destination: no demo actors for it
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    manifest = build_manifest(CONFIG)
+    assert manifest.mtp
+    ref_dir = write_model(tmp_path_factory.mktemp("mtp") / "v1", CONFIG, manifest, seed=0, version="v1")
+    setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=1", DST, namespace=NS, seed=0)
+    engine = start_mtp_replica("mtpdut-0", NS, ref_dir, tp=1, mtp=1)
+    oracles = start_oracles(
+        ref_dir, NS, {"ref": ("mtpref", {"tp": 1, "mtp": 1})}, calls=1, start=start_mtp_replica
+    )
+    sources: list[Any] = []
+    try:
+        sources = create_participants(
+            setup, src_version="v1", dst_version="-", skip=_destinations, source_class=lambda c: HfDemoSource
+        )
+        wait_ready([engine], timeout_s=800)
+        dummy_kernels = kernel_checksums(engine)  # before any sync
+        out = finish_oracles(oracles, timeout_s=800)["ref"]
+        spec = sync_spec(setup.model, NS, setup.src, [destination_ref("dut", NS, "mtpdut-", DST)], "v1")
+        yield {
+            "engine": engine,
+            "sources": sources,
+            "manifest": manifest,
+            "dummy_kernels": dummy_kernels,
+            "ref": out["calls"][0],
+            "ref_kernels": out["kernels"],
+            "spec": spec.model_copy(update={"source": spec.source.model_copy(update={"layout": "hf"})}),
+        }
+    finally:
+        stop_replicas([engine, *oracles.started.values()])
+        kill_participants(setup)
+
+
+def _sync(deployment: dict[str, Any], version: str) -> None:
+    coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
+    try:
+        report = coordinator.sync(version)
+    finally:
+        coordinator.close()
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+
+
+def _drafter(kernels: dict[str, str]) -> dict[str, str]:
+    return {n: s for n, s in kernels.items() if n.startswith(DRAFTER)}
+
+
+def test_engine_reports_the_drafters_tensors(deployment: dict[str, Any]) -> None:
+    (meta,) = ray.get(deployment["engine"].ws_meta.remote())
+    got = {t.name: tuple(t.shape) for t in meta.tensors}
+    shard = get_layout("vllm").shard(deployment["manifest"].with_mtp(), DST, meta.coord)
+    assert got == {t.name: tuple(t.shape) for t in shard.tensors}
+    drafter = sorted(n for n in got if n.startswith(DRAFTER))
+    assert DRAFTER + EH_PROJ in drafter and len(drafter) == 18
+    # the target's embedding and lm_head serve the drafter: not reported a second time
+    assert not any(n.endswith(("embed_tokens.weight", "shared_head.head.weight")) for n in drafter)
+    assert not any("W_UV" in n or "W_UK_T" in n for n in got)  # derived, never synced
+    plain = get_layout("vllm").shard(deployment["manifest"], DST, meta.coord)
+    assert set(got) - {t.name for t in plain.tensors} == set(drafter)  # what discovery sees as MTP
+
+
+def test_drafter_after_the_sync_equals_the_checkpoint_loaded_drafter(deployment: dict[str, Any]) -> None:
+    engine, ref, ref_kernels = deployment["engine"], deployment["ref"], deployment["ref_kernels"]
+    drafter_ref = _drafter(ref_kernels[0])
+    derived = [n for n in drafter_ref if n.endswith(("W_UV", "W_UK_T", "_w_uv_packed", "_w_uk_packed"))]
+    assert len(derived) == 2 and DRAFTER + EH_PROJ in drafter_ref  # the drafter's MLA is compared
+    # Negative control: before the sync the drafter's state is the dummy loader's.
+    before = _drafter(deployment["dummy_kernels"][0])
+    assert set(before) == set(drafter_ref)
+    assert all(before[n] != drafter_ref[n] for n in [*derived, DRAFTER + EH_PROJ])
+    _sync(deployment, "v1")
+    kernels = kernel_checksums(engine)
+    assert _drafter(kernels[0]) == drafter_ref
+    assert kernels == ref_kernels  # the main model too, bit for bit
+    synced = generations([engine])[0]
+    print("mtp synced vs reference rows equal:", rows_equal(synced, ref), "of", len(ref))
+    assert synced == ref  # token ids and every logprob bit, speculative decoding on
+
+
+def test_a_scrambled_mtp_tensor_leaves_the_drafter_unlike_the_oracle(deployment: dict[str, Any]) -> None:
+    engine, ref_kernels = deployment["engine"], deployment["ref_kernels"]
+    (source,) = deployment["sources"]
+    ray.get(source.scramble.remote(EH_PROJ))
+    try:
+        _sync(deployment, "v1-scrambled")
+        kernels = kernel_checksums(engine)[0]
+    finally:
+        ray.get(source.scramble.remote(EH_PROJ))  # undo for a later sync (x + 1 - 1: exact here)
+    differing = sorted(n for n in kernels if kernels[n] != ref_kernels[0][n])
+    assert differing == [DRAFTER + EH_PROJ]  # the drafter caught it; the main model is the oracle's
