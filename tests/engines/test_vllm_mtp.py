@@ -15,13 +15,16 @@ loaded from the checkpoint (write_model writes the MTP layer), through the refer
   before the sync, the drafter's state differs from the oracle's.
 - Negative control: a sync whose source MTP eh_proj is scrambled leaves the drafter's eh_proj
   unlike the oracle's (and only it: the main model still equals the oracle). Greedy output does
-  not depend on the draft, so the drafter's state is what tells them apart.
+  not depend on the draft, so the drafter's state is what tells them apart; vLLM's acceptance
+  counters cannot either here (seeded random weights: no draft token accepted, synced or
+  scrambled), they only show the drafter proposing during generation.
 
 One engine start in the module (plus the oracle on a reference-cache miss).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +45,7 @@ from tests.support.vllm_deploy import engine_env, generations, kernel_checksums,
 from tests.support.vllm_oracle import finish_oracles, start_oracles
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # `__ray_call__` functions below
 NS = "vllm-mtp"
 DST = ParallelSpec.parse("tp=1")
 CONFIG = CONFIGS["deepseek_v3"] | {"num_nextn_predict_layers": 1}
@@ -53,11 +57,22 @@ BIAS = "e_score_correction_bias"  # fp32 in vLLM, reported in the model dtype (a
 
 
 def start_mtp_replica(
-    name: str, namespace: str, model_dir: str, *, tp: int, mtp: int, load_format: str = "dummy"
+    name: str,
+    namespace: str,
+    model_dir: str,
+    *,
+    tp: int,
+    mtp: int,
+    load_format: str = "dummy",
+    stats: bool = False,
 ) -> Any:
-    """A VllmReplica speculating with `mtp` MTP draft tokens (vLLM's "mtp" method)."""
+    """A VllmReplica speculating with `mtp` MTP draft tokens (vLLM's "mtp" method); `stats`:
+    vLLM keeps its metrics (the speculative decoding counters: `spec_counts`)."""
     options = replica_options(name, namespace, tp, engine_env(tp))
     speculative = {"method": "mtp", "num_speculative_tokens": mtp}
+    engine_args: dict[str, Any] = {"speculative_config": speculative}
+    if stats:
+        engine_args["disable_log_stats"] = False
     return (
         ray.remote(VllmReplica)
         .options(**options)
@@ -66,9 +81,30 @@ def start_mtp_replica(
             tensor_parallel_size=tp,
             load_format=load_format,
             worker_extension_cls=WORKER_EXTENSION,
-            engine_args={"speculative_config": speculative},
+            engine_args=engine_args,
         )
     )
+
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+
+
+def _read_spec_counters(replica: Any) -> dict[str, float]:
+    """Inside the replica actor: vLLM's speculative decoding counters (summed over engines)."""
+    out = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for metric in replica.llm.get_metrics():
+        if metric.name in out:
+            out[metric.name] += float(metric.value)
+    return out
+
+
+def spec_counts(engine: Any) -> tuple[float, float]:
+    """(draft tokens, accepted draft tokens) of one greedy generation of PROMPTS (counter deltas)."""
+    before = ray.get(engine.__ray_call__.remote(_read_spec_counters))
+    generations([engine])
+    after = ray.get(engine.__ray_call__.remote(_read_spec_counters))
+    drafted, accepted = (after[k] - before[k] for k in SPEC_COUNTERS)
+    return drafted, accepted
 
 
 def _destinations(c: RankCoord) -> bool:
@@ -81,7 +117,7 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
     assert manifest.mtp
     ref_dir = write_model(tmp_path_factory.mktemp("mtp") / "v1", CONFIG, manifest, seed=0, version="v1")
     setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=1", DST, namespace=NS, seed=0)
-    engine = start_mtp_replica("mtpdut-0", NS, ref_dir, tp=1, mtp=1)
+    engine = start_mtp_replica("mtpdut-0", NS, ref_dir, tp=1, mtp=1, stats=True)
     oracles = start_oracles(
         ref_dir, NS, {"ref": ("mtpref", {"tp": 1, "mtp": 1})}, calls=1, start=start_mtp_replica
     )
@@ -151,6 +187,11 @@ def test_drafter_after_the_sync_equals_the_checkpoint_loaded_drafter(deployment:
     synced = generations([engine])[0]
     print("mtp synced vs reference rows equal:", rows_equal(synced, ref), "of", len(ref))
     assert synced == ref  # token ids and every logprob bit, speculative decoding on
+    # The synced drafter proposes during generation. Its acceptance is no control here: seeded
+    # random weights draft no token the target accepts, synced or scrambled (0 of 60 in both).
+    drafted, accepted = spec_counts(engine)
+    print("mtp synced: drafted", drafted, "accepted", accepted)
+    assert drafted > 0
 
 
 def test_a_scrambled_mtp_tensor_leaves_the_drafter_unlike_the_oracle(deployment: dict[str, Any]) -> None:
