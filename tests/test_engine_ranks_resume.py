@@ -100,3 +100,16 @@ def test_resumed_version_needs_every_rank_ok() -> None:
     assert resumed_version(2, {0: ("v1",)}, [("ok", True), ("skip", None)]) is None
     assert resumed_version(2, {0: ("v1",), 1: ("v1",)}, [("ok", True), ("ok", False)]) is None
     assert resumed_version(1, {0: ("v1",)}, [("error", RuntimeError("x"))]) is None
+
+
+def test_a_rank_of_unknown_version_resumes_and_keeps_the_engines_label(no_ray: None) -> None:
+    # A proxy attached to a server another proxy synced sets its rank up on version '' (unknown):
+    # the recovery's resume must resume generation but not label the engine '' (the label vLLM
+    # reports would otherwise be lost; tests/engines/test_vllm_server_faults.py).
+    control = RecordingControl()
+    proxy = VllmEngineRanks(control, host="127.0.0.1")
+    proxy.ws_rank_call(0, "ws_pause", ())
+    control.calls.clear()
+    assert proxy.ws_rank_call(0, "ws_resume", ("",)) is True
+    assert control.calls == [("start", None), ("update", "ws_resume"), ("finish", None), ("resume", None)]
+    assert len(proxy.pause_seconds()) == 1

@@ -150,7 +150,9 @@ class VllmEngineRanks(RankBatcher):
             # labels the engine with the version, where a second session would cost two more
             # round trips to every worker while generation is still paused.
             results.extend(self._answers(seq))
-            return resumed_version(self._ranks, per_rank, results)
+            # '' is a rank that does not know its version (set up by this proxy after another
+            # proxy's commit): it resumes, but the engine keeps the label it has rather than ''
+            return resumed_version(self._ranks, per_rank, results) or None
 
         with span(f"proxy.send.{method}"):
             self._in_session(work)
