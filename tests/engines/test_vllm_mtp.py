@@ -1,7 +1,7 @@
 """DeepSeek-V3's MTP (draft) layers synced into a real vLLM drafter (issue 24 item 5, end to end).
 
 A tiny DeepSeek-V3 with one MTP layer (num_nextn_predict_layers=1). The destination is a
-dummy-weight vLLM at TP 1 with MTP speculative decoding (its drafter: vLLM's EagleProposer
+dummy-weight vLLM at TP 1, then at TP 2, with MTP speculative decoding (its drafter: vLLM's EagleProposer
 around a DeepSeekMTP); the source an HF-layout rank holding the canonical tensors, the MTP
 layer's included. No declaration says the engine serves MTP: its rank reports the drafter's
 tensors, so discovery plans it the MTP part (runtime/mtp_side.py). The oracle is the same engine
@@ -19,7 +19,7 @@ loaded from the checkpoint (write_model writes the MTP layer), through the refer
   counters cannot either here (seeded random weights: no draft token accepted, synced or
   scrambled), they only show the drafter proposing during generation.
 
-One engine start in the module (plus the oracle on a reference-cache miss).
+One engine start per TP (plus its oracle on a reference-cache miss), one at a time.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ from tests.support.vllm_oracle import finish_oracles, start_oracles
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # `__ray_call__` functions below
 NS = "vllm-mtp"
-DST = ParallelSpec.parse("tp=1")
+TPS = (1, 2)
+"""The engine's TP: the drafter's block is cut as any layer's (eh_proj and the norms whole)."""
 CONFIG = CONFIGS["deepseek_v3"] | {"num_nextn_predict_layers": 1}
 DRAFTER = "drafter."
 EH_PROJ = "model.layers.2.eh_proj.weight"
@@ -111,15 +112,20 @@ def _destinations(c: RankCoord) -> bool:
     return c.role is Role.DESTINATION  # the engine is the destination: no demo actors for it
 
 
-@pytest.fixture(scope="module")
-def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+@pytest.fixture(scope="module", params=TPS, ids=[f"tp{tp}" for tp in TPS])
+def deployment(
+    request: pytest.FixtureRequest, ray_address: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    """One engine at a time: each TP's engine (and oracle on a cache miss) is stopped before the next."""
+    tp: int = request.param
+    dst = ParallelSpec(tp=tp)
     manifest = build_manifest(CONFIG)
     assert manifest.mtp
     ref_dir = write_model(tmp_path_factory.mktemp("mtp") / "v1", CONFIG, manifest, seed=0, version="v1")
-    setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=1", DST, namespace=NS, seed=0)
-    engine = start_mtp_replica("mtpdut-0", NS, ref_dir, tp=1, mtp=1, stats=True)
+    setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=1", dst, namespace=NS, seed=0)
+    engine = start_mtp_replica(f"mtpdut{tp}-0", NS, ref_dir, tp=tp, mtp=1, stats=True)
     oracles = start_oracles(
-        ref_dir, NS, {"ref": ("mtpref", {"tp": 1, "mtp": 1})}, calls=1, start=start_mtp_replica
+        ref_dir, NS, {"ref": (f"mtpref{tp}", {"tp": tp, "mtp": 1})}, calls=1, start=start_mtp_replica
     )
     sources: list[Any] = []
     try:
@@ -129,8 +135,9 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         wait_ready([engine], timeout_s=800)
         dummy_kernels = kernel_checksums(engine)  # before any sync
         out = finish_oracles(oracles, timeout_s=800)["ref"]
-        spec = sync_spec(setup.model, NS, setup.src, [destination_ref("dut", NS, "mtpdut-", DST)], "v1")
+        spec = sync_spec(setup.model, NS, setup.src, [destination_ref("dut", NS, f"mtpdut{tp}-", dst)], "v1")
         yield {
+            "dst": dst,
             "engine": engine,
             "sources": sources,
             "manifest": manifest,
@@ -158,31 +165,36 @@ def _drafter(kernels: dict[str, str]) -> dict[str, str]:
 
 
 def test_engine_reports_the_drafters_tensors(deployment: dict[str, Any]) -> None:
-    (meta,) = ray.get(deployment["engine"].ws_meta.remote())
-    got = {t.name: tuple(t.shape) for t in meta.tensors}
-    shard = get_layout("vllm").shard(deployment["manifest"].with_mtp(), DST, meta.coord)
-    assert got == {t.name: tuple(t.shape) for t in shard.tensors}
-    drafter = sorted(n for n in got if n.startswith(DRAFTER))
-    assert DRAFTER + EH_PROJ in drafter and len(drafter) == 18
-    # the target's embedding and lm_head serve the drafter: not reported a second time
-    assert not any(n.endswith(("embed_tokens.weight", "shared_head.head.weight")) for n in drafter)
-    assert not any("W_UV" in n or "W_UK_T" in n for n in got)  # derived, never synced
-    plain = get_layout("vllm").shard(deployment["manifest"], DST, meta.coord)
-    assert set(got) - {t.name for t in plain.tensors} == set(drafter)  # what discovery sees as MTP
+    dst = deployment["dst"]
+    metas = ray.get(deployment["engine"].ws_meta.remote())
+    assert len(metas) == dst.tp
+    for meta in metas:
+        got = {t.name: tuple(t.shape) for t in meta.tensors}
+        shard = get_layout("vllm").shard(deployment["manifest"].with_mtp(), dst, meta.coord)
+        assert got == {t.name: tuple(t.shape) for t in shard.tensors}, meta.coord
+        drafter = sorted(n for n in got if n.startswith(DRAFTER))
+        assert DRAFTER + EH_PROJ in drafter and len(drafter) == 18
+        # the target's embedding and lm_head serve the drafter: not reported a second time
+        assert not any(n.endswith(("embed_tokens.weight", "shared_head.head.weight")) for n in drafter)
+        assert not any("W_UV" in n or "W_UK_T" in n for n in got)  # derived, never synced
+        plain = get_layout("vllm").shard(deployment["manifest"], dst, meta.coord)
+        assert set(got) - {t.name for t in plain.tensors} == set(drafter)  # what discovery sees as MTP
 
 
 def test_drafter_after_the_sync_equals_the_checkpoint_loaded_drafter(deployment: dict[str, Any]) -> None:
     engine, ref, ref_kernels = deployment["engine"], deployment["ref"], deployment["ref_kernels"]
-    drafter_ref = _drafter(ref_kernels[0])
-    derived = [n for n in drafter_ref if n.endswith(("W_UV", "W_UK_T", "_w_uv_packed", "_w_uk_packed"))]
-    assert len(derived) == 2 and DRAFTER + EH_PROJ in drafter_ref  # the drafter's MLA is compared
-    # Negative control: before the sync the drafter's state is the dummy loader's.
-    before = _drafter(deployment["dummy_kernels"][0])
-    assert set(before) == set(drafter_ref)
-    assert all(before[n] != drafter_ref[n] for n in [*derived, DRAFTER + EH_PROJ])
+    assert len(ref_kernels) == deployment["dst"].tp
+    for rank, dummy in zip(ref_kernels, deployment["dummy_kernels"], strict=True):
+        drafter_ref = _drafter(rank)
+        derived = [n for n in drafter_ref if n.endswith(("W_UV", "W_UK_T", "_w_uv_packed", "_w_uk_packed"))]
+        assert len(derived) == 2 and DRAFTER + EH_PROJ in drafter_ref  # the drafter's MLA is compared
+        # Negative control: before the sync the drafter's state is the dummy loader's.
+        before = _drafter(dummy)
+        assert set(before) == set(drafter_ref)
+        assert all(before[n] != drafter_ref[n] for n in [*derived, DRAFTER + EH_PROJ])
     _sync(deployment, "v1")
     kernels = kernel_checksums(engine)
-    assert _drafter(kernels[0]) == drafter_ref
+    assert [_drafter(k) for k in kernels] == [_drafter(k) for k in ref_kernels]
     assert kernels == ref_kernels  # the main model too, bit for bit
     synced = generations([engine])[0]
     print("mtp synced vs reference rows equal:", rows_equal(synced, ref), "of", len(ref))
@@ -200,8 +212,9 @@ def test_a_scrambled_mtp_tensor_leaves_the_drafter_unlike_the_oracle(deployment:
     ray.get(source.scramble.remote(EH_PROJ))
     try:
         _sync(deployment, "v1-scrambled")
-        kernels = kernel_checksums(engine)[0]
+        kernels = kernel_checksums(engine)
     finally:
         ray.get(source.scramble.remote(EH_PROJ))  # undo for a later sync (x + 1 - 1: exact here)
-    differing = sorted(n for n in kernels if kernels[n] != ref_kernels[0][n])
-    assert differing == [DRAFTER + EH_PROJ]  # the drafter caught it; the main model is the oracle's
+    for got, want in zip(kernels, ref_kernels, strict=True):  # eh_proj: whole on every TP rank
+        differing = sorted(n for n in got if got[n] != want[n])
+        assert differing == [DRAFTER + EH_PROJ]  # the drafter caught it; the main model is the oracle's
