@@ -28,61 +28,24 @@ from typing import Any
 import pytest
 import ray
 
-from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.engines.vllm_actor import ActorControl
-from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import train_step
-from sync_runtime.testing.vllm_deploy import stop_replicas
 from sync_runtime.testing.vllm_models import PROMPTS
-from tests.support.vllm_deploy import deploy, destination_ref, engine_env, generations, rows_equal, sync_spec
-from tests.support.vllm_user import AsyncUserEngine
+from tests.support.vllm_deploy import generations, rows_equal
+from tests.support.vllm_user import AsyncUserEngine, user_deployment
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-async-actor"
 TP = 1
-DST = ParallelSpec.parse(f"tp={TP}")
 CLIENT_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with deploy(
-        "qwen3",
-        tmp_path_factory.mktemp("qwen3async") / "v1",
-        src="tp=2",
-        dst=DST,
-        namespace=NS,
-        engines={},
-        references={"ref": ("ref-async", {"tp": TP})},
-    ) as d:
-        user = (
-            ray.remote(AsyncUserEngine)
-            .options(num_cpus=0, runtime_env={"env_vars": engine_env(TP)})
-            .remote(d.setup.model.rsplit("/", 1)[0], TP)
-        )
-        ranks = None
-        try:
-            initial = ray.get(user.start.remote(), timeout=900)
-            ranks = attach("async-r0", NS, ActorControl(user), ranks=TP)
-            ray.get(ranks.ws_num_ranks.remote(), timeout=300)
-            spec = sync_spec(
-                d.setup.model, NS, d.setup.src, [destination_ref("inf", NS, "async-r", DST)], "v1"
-            )
-            yield {
-                "setup": d.setup,
-                "user": user,
-                "ranks": ranks,
-                "ref": d.reference_calls[0]["ref"],
-                "spec": spec,
-                "manifest": d.manifest,
-                "initial": initial,
-            }
-        finally:
-            stop_replicas([user])
-            if ranks is not None:
-                ray.kill(ranks)
+    directory = tmp_path_factory.mktemp("qwen3async") / "v1"
+    with user_deployment(AsyncUserEngine, directory, namespace=NS, prefix="async", tp=TP) as d:
+        yield d
 
 
 @dataclass

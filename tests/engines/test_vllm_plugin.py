@@ -20,16 +20,13 @@ import ray
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.topology import ParallelSpec
-from sync_runtime.engines.vllm_actor import ActorControl
 from sync_runtime.engines.vllm_apply import check_vllm_version
-from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.errors import DestinationError
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import train_step
-from sync_runtime.testing.vllm_deploy import stop_replicas
-from tests.support.vllm_deploy import deploy, destination_ref, engine_env, generations, rows_equal, sync_spec
-from tests.support.vllm_user import UserEngine
+from tests.support.vllm_deploy import generations, rows_equal
+from tests.support.vllm_user import UserEngine, user_deployment
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-plugin"
@@ -39,40 +36,9 @@ DST = ParallelSpec.parse(f"tp={TP}")
 
 @pytest.fixture(scope="module")
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    with deploy(
-        "qwen3",
-        tmp_path_factory.mktemp("qwen3plugin") / "v1",
-        src="tp=2",
-        dst=DST,
-        namespace=NS,
-        engines={},
-        references={"ref": ("ref-plugin", {"tp": TP})},
-    ) as d:
-        user = (
-            ray.remote(UserEngine)
-            .options(num_cpus=0, runtime_env={"env_vars": engine_env(TP)})
-            .remote(d.setup.model.rsplit("/", 1)[0], TP)
-        )
-        ranks = None
-        try:
-            ray.get(user.weight_version.remote(), timeout=900)  # the engine is up
-            ranks = attach("plugin-r0", NS, ActorControl(user), ranks=TP)
-            ray.get(ranks.ws_num_ranks.remote(), timeout=300)
-            spec = sync_spec(
-                d.setup.model, NS, d.setup.src, [destination_ref("inf", NS, "plugin-r", DST)], "v1"
-            )
-            yield {
-                "setup": d.setup,
-                "user": user,
-                "ranks": ranks,
-                "ref": d.reference_calls[0]["ref"],
-                "spec": spec,
-                "manifest": d.manifest,
-            }
-        finally:
-            stop_replicas([user])
-            if ranks is not None:
-                ray.kill(ranks)
+    directory = tmp_path_factory.mktemp("qwen3plugin") / "v1"
+    with user_deployment(UserEngine, directory, namespace=NS, prefix="plugin", tp=TP) as d:
+        yield d
 
 
 def test_each_worker_is_one_rank_holding_its_own_shard(deployment: dict[str, Any]) -> None:

@@ -1,9 +1,52 @@
-"""A vLLM engine as a user runs it in Ray: an actor holding `vllm.LLM` with the weightsync
-weight-transfer backend enabled, and nothing else from WeightSync (tests/engines/test_vllm_plugin.py).
+"""A vLLM engine as a user runs it in Ray: an actor holding `vllm.LLM` (tests/engines/test_vllm_plugin.py)
+or `AsyncLLM` (tests/engines/test_vllm_async_actor.py) with the weightsync weight-transfer backend
+enabled, and nothing else from WeightSync but, for `AsyncLLM`, the one adapter method.
 Runs only under the engine environment (tools/vllm_env.sh).
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def engine_args(model: str, tp: int) -> dict[str, Any]:
+    """The engine settings of both user engines: those of the checkpoint-loaded oracle
+    (VllmReplica), with dummy weights and the weightsync backend, so they generate alike."""
+    return {
+        "model": model,
+        "skip_tokenizer_init": True,
+        "load_format": "dummy",
+        "dtype": "bfloat16",
+        "tensor_parallel_size": tp,
+        "distributed_executor_backend": "mp",
+        "enable_prefix_caching": False,
+        "max_model_len": 128,
+        "max_num_seqs": 4,
+        "enforce_eager": True,
+        "seed": 0,
+        "weight_transfer_config": {"backend": "weightsync"},
+    }
+
+
+def greedy(max_tokens: int) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False
+    )
+
+
+def row_of(completion: Any) -> dict:
+    """A completion's token ids and the chosen tokens' logprobs."""
+    return {
+        "token_ids": list(completion.token_ids),
+        "logprobs": [
+            d[t].logprob for t, d in zip(completion.token_ids, completion.logprobs or [], strict=True)
+        ],
+    }
 
 
 class UserEngine:
@@ -12,38 +55,17 @@ class UserEngine:
     def __init__(self, model: str, tp: int) -> None:
         from vllm import LLM
 
-        self.llm = LLM(
-            model=model,
-            skip_tokenizer_init=True,
-            load_format="dummy",
-            dtype="bfloat16",
-            tensor_parallel_size=tp,
-            distributed_executor_backend="mp",
-            enable_prefix_caching=False,
-            max_model_len=128,
-            max_num_seqs=4,
-            enforce_eager=True,
-            seed=0,
-            weight_transfer_config={"backend": "weightsync"},
-        )
+        self.llm = LLM(**engine_args(model, tp))
+
+    def start(self) -> str:
+        """The engine is up (built in the constructor): its weight version label."""
+        return self.weight_version()
 
     def generate(self, rows: list[list[int]], max_tokens: int, *, one_at_a_time: bool) -> list[dict]:
-        from vllm import SamplingParams
-
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False
-        )
-        outs = [self.llm.generate([{"prompt_token_ids": r}], params, use_tqdm=False)[0] for r in rows]
-        return [
-            {
-                "token_ids": list(o.outputs[0].token_ids),
-                "logprobs": [
-                    d[t].logprob
-                    for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [], strict=True)
-                ],
-            }
-            for o in outs
+        outs = [
+            self.llm.generate([{"prompt_token_ids": r}], greedy(max_tokens), use_tqdm=False)[0] for r in rows
         ]
+        return [row_of(o.outputs[0]) for o in outs]
 
     def weight_version(self) -> str:
         return str(self.llm.get_weight_version())
@@ -63,20 +85,7 @@ class AsyncUserEngine:
         """Build the engine on the actor's event loop (AsyncLLM binds its output handler to it)."""
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-        args = AsyncEngineArgs(
-            model=self.model,
-            skip_tokenizer_init=True,
-            load_format="dummy",
-            dtype="bfloat16",
-            tensor_parallel_size=self.tp,
-            distributed_executor_backend="mp",
-            enable_prefix_caching=False,
-            max_model_len=128,
-            max_num_seqs=4,
-            enforce_eager=True,
-            seed=0,
-            weight_transfer_config={"backend": "weightsync"},
-        )
+        args = AsyncEngineArgs(**engine_args(self.model, self.tp))
         self.engine = AsyncLLMEngine.from_engine_args(args)
         return str(await self.engine.get_weight_version())
 
@@ -88,20 +97,13 @@ class AsyncUserEngine:
     async def _one(self, row: list[int], max_tokens: int) -> tuple[dict, list[tuple[str, int, int]]]:
         import uuid
 
-        from vllm import SamplingParams
-
-        params = SamplingParams(
-            temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False
-        )
+        params = greedy(max_tokens)
         final = None
         async for out in self.engine.generate({"prompt_token_ids": row}, params, uuid.uuid4().hex):
             final = out
         assert final is not None
         c = final.outputs[0]
-        row_out = {
-            "token_ids": list(c.token_ids),
-            "logprobs": [d[t].logprob for t, d in zip(c.token_ids, c.logprobs or [], strict=True)],
-        }
+        row_out = row_of(c)
         return row_out, [(s.version, s.start, s.end) for s in c.weight_versions or []]
 
     async def generate(self, rows: list[list[int]], max_tokens: int, *, one_at_a_time: bool) -> list[dict]:
@@ -118,3 +120,50 @@ class AsyncUserEngine:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+@contextlib.contextmanager
+def user_deployment(
+    actor_class: type, directory: Path, *, namespace: str, prefix: str, tp: int
+) -> Iterator[dict]:
+    """The demo's Megatron-layout sources (tp=2) holding Qwen3 at v1, its checkpoint-loaded oracle
+    (reference cache), the user's actor `actor_class` (dummy weights) started, and WeightSync's
+    ranks actor attached to it as replica 0 of destination `{prefix}-r`; all stopped afterwards."""
+    import ray
+
+    from sync_runtime.core.topology import ParallelSpec
+    from sync_runtime.engines.vllm_actor import ActorControl
+    from sync_runtime.engines.vllm_ranks import attach
+    from sync_runtime.testing.vllm_deploy import stop_replicas
+    from tests.support.vllm_deploy import deploy, destination_ref, engine_env, sync_spec
+
+    dst = ParallelSpec.parse(f"tp={tp}")
+    references = {"ref": (f"ref-{prefix}", {"tp": tp})}
+    with deploy(
+        "qwen3", directory, src="tp=2", dst=dst, namespace=namespace, engines={}, references=references
+    ) as d:
+        user = (
+            ray.remote(actor_class)
+            .options(num_cpus=0, runtime_env={"env_vars": engine_env(tp)})
+            .remote(d.setup.model.rsplit("/", 1)[0], tp)
+        )
+        ranks = None
+        try:
+            initial = ray.get(user.start.remote(), timeout=900)  # the engine is up
+            ranks = attach(f"{prefix}-r0", namespace, ActorControl(user), ranks=tp)
+            ray.get(ranks.ws_num_ranks.remote(), timeout=300)
+            destinations = [destination_ref("inf", namespace, f"{prefix}-r", dst)]
+            yield {
+                "setup": d.setup,
+                "user": user,
+                "ranks": ranks,
+                "ref": d.reference_calls[0]["ref"],
+                "spec": sync_spec(d.setup.model, namespace, d.setup.src, destinations, "v1"),
+                "manifest": d.manifest,
+                "dst": dst,
+                "initial": initial,
+            }
+        finally:
+            stop_replicas([user])
+            if ranks is not None:
+                ray.kill(ranks)
