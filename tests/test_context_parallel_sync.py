@@ -1,9 +1,10 @@
 """A real-process sync from a context-parallel source: CP ranks are alternative senders.
 
 Demo source actors (seeded weights, real gloo process group, the coordinator) at tp=2,cp=2,ep=2
-of tiny DeepSeek-V3 (MLA, MoE, an F32 router bias, one MTP layer left out) into two vLLM-layout
-replicas; every destination rank is checked bit-exact (and, as the control, found to differ from
-the next version before it is synced), every CP rank must have sent bytes.
+of tiny DeepSeek-V3 (MLA, MoE, an F32 router bias, one MTP layer: not sent, the destination
+serves none) into two vLLM-layout replicas; every destination rank is checked bit-exact (and, as
+the control, found to differ from the next version before it is synced), every CP rank must have
+sent bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from tests.test_coordinator_syncs import Collect
 
 pytestmark = pytest.mark.e2e
 SRC = "tp=2,cp=2,ep=2"
-MTP = "1 MTP layer(s) (num_nextn_predict_layers=1, model.layers.3.*): not synced"
+MTP = (
+    "destination 0 (vllm:tp=2,pp=1,replicas=2): mtp: 1 layer (model.layers.3.*), 838,080 bytes canonical, "
+    "not sent: destination does not serve MTP"
+)
 
 
 @pytest.fixture(scope="module")
