@@ -110,11 +110,17 @@ def _hooks(fault: str, rank: int) -> EngineHooks | None:
     return None
 
 
+CONNECT_S = 60.0
+"""The group's rendezvous timeout (not the transfer timeout under test)."""
+
+
 def rank_main(ctx: RankContext, seeds: list[int], fault: str, timeout_s: float, direct: int) -> list[dict]:
     """One participant: connect once, run one sync per seed on the same group, report each."""
     hooks = _hooks(fault, ctx.rank)
+    # The rendezvous gets its own, longer timeout: the faults' 2 s transfer timeout is the engine's
+    # (TransferConfig), and a loaded 2-core machine once took longer than 2 s to connect (CI run).
     group = SyncGroup.connect(store_host=ctx.store_host, store_port=ctx.store_port, rank=ctx.rank,
-                              world_size=WORLD, backend="gloo", timeout_s=timeout_s,
+                              world_size=WORLD, backend="gloo", timeout_s=max(timeout_s, CONNECT_S),
                               group_name=ctx.group_name)  # fmt: skip
     plan = hand_plan().for_rank(ctx.rank)
     config = TransferConfig(timeout_s=timeout_s, direct_min_bytes=direct)
