@@ -57,9 +57,11 @@ def start_replica(
     extension: str | None = None,
     env: dict[str, str] | None = None,
     actor_class: type | None = None,
+    engine_args: dict[str, Any] | None = None,
 ) -> Any:
     """A named `VllmReplica` actor (returns at once; its engine starts in the background:
-    wait with `wait_ready`). `actor_class`: a VllmReplica subclass (the benchmark's)."""
+    wait with `wait_ready`). `actor_class`: a VllmReplica subclass (the benchmark's);
+    `engine_args`: more vLLM engine arguments (e.g. a speculative config)."""
     from sync_runtime.engines.vllm_replica import WORKER_EXTENSION, VllmReplica, replica_options
 
     options = replica_options(name, namespace, tp, env if env is not None else engine_env(tp))
@@ -73,6 +75,7 @@ def start_replica(
             enable_expert_parallel=ep,
             load_format=load_format,
             worker_extension_cls=extension or WORKER_EXTENSION,
+            **({"engine_args": engine_args} if engine_args else {}),
         )
     )
 

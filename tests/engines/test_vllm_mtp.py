@@ -34,14 +34,13 @@ import ray
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
-from sync_runtime.engines.vllm_replica import WORKER_EXTENSION, VllmReplica, replica_options
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_participants
 from sync_runtime.testing.hf_source import HfDemoSource
 from sync_runtime.testing.vllm_deploy import destination_ref, stop_replicas, sync_spec, wait_ready
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
-from tests.support.vllm_deploy import engine_env, generations, kernel_checksums, rows_equal
+from tests.support.vllm_deploy import generations, kernel_checksums, rows_equal, start_replica
 from tests.support.vllm_oracle import finish_oracles, start_oracles
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -71,22 +70,11 @@ def start_mtp_replica(
 ) -> Any:
     """A VllmReplica speculating with `mtp` MTP draft tokens (vLLM's "mtp" method); `stats`:
     vLLM keeps its metrics (the speculative decoding counters: `spec_counts`)."""
-    options = replica_options(name, namespace, tp, engine_env(tp))
     speculative = {"method": "mtp", "num_speculative_tokens": mtp}
     engine_args: dict[str, Any] = {"speculative_config": speculative}
     if stats:
         engine_args["disable_log_stats"] = False
-    return (
-        ray.remote(VllmReplica)
-        .options(**options)
-        .remote(
-            model_dir,
-            tensor_parallel_size=tp,
-            load_format=load_format,
-            worker_extension_cls=WORKER_EXTENSION,
-            engine_args=engine_args,
-        )
-    )
+    return start_replica(name, namespace, model_dir, tp=tp, load_format=load_format, engine_args=engine_args)
 
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
