@@ -75,6 +75,8 @@ from sync_runtime.testing.vllm_server import Client, Server, completions, genera
 FIRST = "v0"
 """The first sync's version; the second is VERSION (v1), the reference checkpoint's."""
 SETTLE_TIMEOUT_S = 120.0
+CLIENT_INTERVAL_S = 0.5
+"""Seconds each serving client waits between two requests."""
 WARMUPS = 1
 """Warm-up requests per server before any generation is kept (part of the oracle's key)."""
 ENGINE_ENV_HINT = (
@@ -207,7 +209,9 @@ def _deploy_and_check(
         )
         ref = _reference_generation(fleet, console)
         outcomes = [Outcome(k, completions(s.url)) for k, s in enumerate(fleet.replicas)]
-        clients = [Client(s.url, completions=True) for s in fleet.replicas]
+        # A request every half second or so per server: the load of a serving replica, while
+        # leaving this machine's other processes (the sources, the sync itself) their share of it.
+        clients = [Client(s.url, CLIENT_INTERVAL_S, completions=True) for s in fleet.replicas]
         reports, windows = _syncs(setup, args, console, address, clients)
         if all(r.result is SyncResult.SUCCEEDED for r in reports):
             for o, s in zip(outcomes, fleet.replicas, strict=True):

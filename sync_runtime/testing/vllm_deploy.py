@@ -26,6 +26,8 @@ Generation = list[dict[str, list]]
 """One replica's answer to PROMPTS: per prompt {"token_ids": [...], "logprobs": [...]}."""
 READY_TIMEOUT_S = 900.0
 """Engine start on a loaded 2-core machine: 2-6 minutes, several engines starting together."""
+GENERATE_TIMEOUT_S = 600.0
+"""PROMPTS on every replica: seconds when idle, but over 300 s once on a CI run's loaded machine."""
 
 
 def engine_env(tp: int, pythonpath: Sequence[str] = ()) -> dict[str, str]:
@@ -42,6 +44,10 @@ def engine_env(tp: int, pythonpath: Sequence[str] = ()) -> dict[str, str]:
         if tp > 1
         else f"0-{cores - 1}",
         "TOKENIZERS_PARALLELISM": "false",
+        # The workers' OpenMP threads sleep at barriers instead of spinning: engines of both test
+        # lanes share two cores, and a spinning worker holds a core another engine's worker waits
+        # for (a TP2 engine's 4-prompt generation ran past 300 s beside the server demo in CI).
+        "OMP_WAIT_POLICY": "PASSIVE",
     }
 
 
@@ -127,7 +133,7 @@ def generations(handles: Sequence[Any], prompts: Sequence[Sequence[int]] = PROMP
     each prompt alone: repeatable, so replicas and engines compare bit for bit (see generate)."""
     rows = [list(p) for p in prompts]
     calls = [h.generate.remote(rows, MAX_TOKENS, one_at_a_time=True) for h in handles]
-    return list(ray.get(calls, timeout=300))
+    return list(ray.get(calls, timeout=GENERATE_TIMEOUT_S))
 
 
 def rows_equal(a: Generation, b: Generation) -> int:
