@@ -16,7 +16,7 @@ from sync_runtime.core.manifest import MODEL_PART, MTP_PART
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
-from sync_runtime.errors import LayoutError, PlanError
+from sync_runtime.errors import PlanError
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 
 pytestmark = pytest.mark.unit
@@ -125,11 +125,12 @@ def test_vllm_destination_holds_the_drafter_under_its_names_on_the_last_stage() 
     assert not any(t.name.startswith("drafter.") for t in plain.tensors)
 
 
-def test_megatron_source_refused_only_when_a_destination_serves_mtp() -> None:
+def test_megatron_source_sends_mtp_only_when_a_destination_serves_it() -> None:
+    # Megatron-Core holds the MTP layers as GPTModel.mtp (layouts/megatron_mtp.py).
     source = _side("megatron", "tp=2", Role.SOURCE)
     assert _plan(source, [_side("vllm", "tp=2", Role.DESTINATION)]).stats["mtp_wire_bytes"] == 0
-    with pytest.raises(LayoutError, match=r"megatron: model\.layers\.3\.\* \(MTP\).*layout hf"):
-        _plan(source, [_side("vllm", "tp=2", Role.DESTINATION, mtp=True)])
+    served = _plan(source, [_side("vllm", "tp=2", Role.DESTINATION, mtp=True)]).stats
+    assert served["mtp_wire_bytes"] == served["side_mtp_bytes"][0] > 0
 
 
 def test_serving_mtp_of_a_model_without_it_is_refused() -> None:
@@ -156,12 +157,10 @@ def test_plan_prints_one_parts_line_per_destination(capsys: pytest.CaptureFixtur
     )
     assert summary["mtp_bytes"] == TINY.part_nbytes(MTP_PART) == 838_080
     assert summary["not_synced"] == [not_served.replace(": model 1,305,888 bytes, sent;", ":")]
-    # Megatron (the default source) has no MTP rule: refused in one line, exit code 2.
-    assert (
-        cli.main(["plan", "--model", "tiny-deepseek-v3", "--src", "tp=2", "--dst", "tp=2", "--dst-mtp", "on"])
-        == 2
-    )
-    assert "no rule for MTP layers" in capsys.readouterr().err
+    # Megatron (the default source) holds the MTP layers too (layouts/megatron_mtp.py).
+    args = ["plan", "--model", "tiny-deepseek-v3", "--src", "tp=2", "--dst", "tp=2", "--dst-mtp", "on"]
+    assert cli.main([*args, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["side_mtp_bytes"][0] > 0
     assert (
         cli.main(
             ["plan", "--model", "tiny-deepseek-v3", "--src", "tp=2", "--dst", "tp=2"]

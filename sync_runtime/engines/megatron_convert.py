@@ -4,6 +4,9 @@ The converter is deliberately independent of the layouts: it reassembles full te
 parameter's `partition_dim` / `partition_stride` and its TP (or expert-TP) rank, then renames
 them the way the logits test proved against transformers (TP 1, fp32). The demo and the tests
 check what a sync delivered against its output, so a wrong layout rule cannot hide behind itself.
+MTP layers (`mtp.layers.{i}.*`) become `model.layers.{L+i}.*`; their `embed_tokens` and
+`shared_head.head` are the main embedding and output layer, which Megatron-Core's MTP layers use
+(GPTModel.forward passes `self.embedding` and `self.output_layer` to them).
 """
 
 from __future__ import annotations
@@ -106,6 +109,14 @@ _NORMS = {
 }
 
 
+# GPTModel.mtp's layers (layouts/megatron_mtp.py): MTP-only tensors -> HF suffix; the block is a layer.
+_MTP = re.compile(r"^mtp\.layers\.(?P<i>\d+)\.(?P<rest>.+)$")
+_MTP_OWN = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "final_layernorm.weight": "shared_head.norm.weight",
+}
 # Dense MLP and shared experts: linear_fc{1,2}.{weight,bias} (biases: Llama's mlp_bias).
 _DENSE_FC = re.compile(r"^(?P<block>mlp\.(?:shared_experts\.)?)(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)$")
 # A routed MoE block's tensors in the Qwen/DeepSeek form the rules above produce.
@@ -163,8 +174,19 @@ def to_hf(full: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dic
         return [p.reshape(-1, *w.shape[1:]) for p in grouped.split([per * hd, hd, hd], dim=1)]
 
     out: dict[str, torch.Tensor] = {}
+    mtp_layers: set[int] = set()
     for name, t in full.items():
-        if name == "embedding.word_embeddings.weight":
+        if (m := _MTP.match(name)) is not None:
+            i, rest = int(m["i"]), m["rest"]
+            mtp_layers.add(i)
+            h = f"model.layers.{d.num_layers + i}."
+            if rest.startswith("mtp_model_layer."):
+                _layer_tensor(out, h, rest.removeprefix("mtp_model_layer."), t, qkv, d.mla)
+            elif rest in _MTP_OWN:
+                out[h + _MTP_OWN[rest]] = t
+            else:
+                raise ValueError(f"{name!r}: no HF counterpart known")
+        elif name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t[: d.vocab]
         elif name == "output_layer.weight":
             if not d.tie_embeddings:  # tied: a copy of the embedding, not a tensor of its own
@@ -176,6 +198,10 @@ def to_hf(full: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dic
             _layer_tensor(out, f"model.layers.{index}.", rest, t, qkv, d.mla)
         else:
             raise ValueError(f"{name!r}: no HF counterpart known")
+    for i in sorted(mtp_layers):  # Megatron's MTP layers use the main embedding and output layer
+        h = f"model.layers.{d.num_layers + i}."
+        out[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
+        out[h + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
     return _checkpoint_moe_names(out, d.family)
 
 

@@ -29,12 +29,15 @@ class ReportedRank:
 
 def mtp_local_names(layout: str, spec: ParallelSpec, manifest: Manifest, coord: RankCoord) -> frozenset[str]:
     """The local names under which `layout` places MTP tensors on the rank at `coord` (empty: the
-    model has no MTP part, the layout places none, or none on this rank)."""
+    model has no MTP part, the layout places none, or none on this rank). A local tensor that
+    also holds model tensors says nothing of MTP (Megatron's MTP layers use the main embedding
+    and output layer: layouts/megatron_mtp.py)."""
     if not manifest.mtp or not getattr(get_layout(layout), "places_mtp", False):
         return frozenset()
     mtp = {t.name for t in manifest.mtp}
     shard = get_layout(layout).shard(manifest.with_mtp(), spec, coord)
-    return frozenset(p.local_name for p in shard.pieces if p.tensor in mtp)
+    model = {p.local_name for p in shard.pieces if p.tensor not in mtp}
+    return frozenset(p.local_name for p in shard.pieces if p.tensor in mtp) - model
 
 
 def side_holds_mtp(

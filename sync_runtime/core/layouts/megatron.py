@@ -39,7 +39,8 @@ have L/(p*v) layers, or with `layer_counts` stage s's blocks have layer_counts[s
 The `chunk{c}.` name prefix (v > 1) is OUR convention: Megatron keeps chunks as separate
 GPTModel objects in a list, without a prefix; the engine adds it.
 EP/ETP ranks come from the reported coordinate (coord.ep_rank, coord.etp_rank); DP ranks and
-expert-DP ranks hold identical copies.
+expert-DP ranks hold identical copies. The split itself: layouts/megatron_stages.py.
+MTP layers (a `Manifest.with_mtp()`, GPTModel.mtp): layouts/megatron_mtp.py.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+from sync_runtime.core.layouts import megatron_mtp
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
@@ -62,11 +64,11 @@ from sync_runtime.core.layouts._rules import (
     round_up,
 )
 from sync_runtime.core.layouts.base import LocalTensorMeta, Piece, RankShard
+from sync_runtime.core.layouts.megatron_stages import NAME, chunk_ranges
 from sync_runtime.core.manifest import TensorMeta
-from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, stage_layer_ranges
+from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.errors import LayoutError, TopologyError
 
-NAME = "megatron"
 TE_NAME = "megatron-te"
 VOCAB_MULTIPLE_PER_TP = 128
 
@@ -128,39 +130,10 @@ _MLA_DOWN = {
 }
 
 
-def chunk_ranges(num_layers: int, spec: ParallelSpec) -> list[list[range]]:
-    """Global layer range of every (stage, chunk): result[s][c] (see module docstring for PP/VPP)."""
-    p, v = spec.pp, spec.vpp
-    if spec.layer_counts is None and p <= num_layers and num_layers % (p * v) != 0:
-        what = "pp" if v == 1 else "pp*vpp"
-        raise LayoutError(
-            f"{NAME}: {'pp' if v == 1 else 'vpp'}: L={num_layers} layers not divisible by "
-            f"{what}={p * v} (Megatron splits evenly; for an uneven split give per-stage "
-            "layer_counts, e.g. layers=8+7)"
-        )
-    if v == 1:
-        return [[r] for r in stage_layer_ranges(num_layers, p, spec.layer_counts)]
-    if spec.layer_counts is None:
-        sizes = [num_layers // (p * v)] * p
-    else:
-        if sum(spec.layer_counts) != num_layers:
-            raise LayoutError(f"{NAME}: layer_counts: sum {sum(spec.layer_counts)} != L={num_layers}")
-        if any(c % v for c in spec.layer_counts):
-            raise LayoutError(
-                f"{NAME}: layer_counts: {list(spec.layer_counts)} must each be divisible by vpp={v}"
-            )
-        sizes = [c // v for c in spec.layer_counts]
-    out: list[list[range]] = [[] for _ in range(p)]
-    start = 0
-    for b in range(p * v):
-        s = b % p
-        out[s].append(range(start, start + sizes[s]))
-        start += sizes[s]
-    return out
-
-
 class MegatronLayout(RuleLayout):
     """A Megatron-Core source; `naming` picks the spec's names (LOCAL: `megatron`, TE: `megatron-te`)."""
+
+    places_mtp = True  # GPTModel.mtp (layouts/megatron_mtp.py)
 
     def __init__(self, naming: Naming = LOCAL) -> None:
         super().__init__()
@@ -171,13 +144,15 @@ class MegatronLayout(RuleLayout):
         _validate(view, spec, self.naming)
 
     def build(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
+        megatron_mtp.refuse_destination(view, coord, self.name)
         key = ("stage", coord.pp_rank, coord.tp_rank)
         stage = self._cache.part(view, spec, key, lambda: _stage(view, spec, coord, self.naming))
         return _build(spec, coord, self.naming, stage)
 
     def shard_key(self, view: ModelView, spec: ParallelSpec, coord: RankCoord) -> Hashable:
         moe = bool(view.dims.moe_layers)
-        return (coord.pp_rank, coord.tp_rank, coord.ep_rank if moe else 0, coord.etp_rank if moe else 0)
+        at = (coord.pp_rank, coord.tp_rank, coord.ep_rank if moe else 0, coord.etp_rank if moe else 0)
+        return (*at, coord.role) if view.mtp else at  # a destination of MTP is refused, not cached
 
 
 def _divisible(n: int, t: int, subject: str, what: str, layout: str) -> None:
@@ -231,9 +206,12 @@ def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
         _divisible(
             d.shared_intermediate, t, "mlp.shared_experts.gate_proj.weight", "shared intermediate", name
         )
-    check_coverage(
-        view, name, lambda out, layer, dense: _layer(out, view, layer, dense, "", spec, _ZERO, naming, [])
-    )
+
+    def rule(out: ShardBuilder, layer: LayerView, dense: dict[str, TensorMeta]) -> None:
+        _layer(out, view, layer, dense, "", spec, _ZERO, naming, [])
+
+    check_coverage(view, name, rule)
+    megatron_mtp.check(view, spec, name, rule)
 
 
 # Layer rules read the same tensors on every rank; coverage is proven once, on this coordinate.
@@ -382,6 +360,17 @@ def _stage(view: ModelView, spec: ParallelSpec, coord: RankCoord, naming: Naming
                 out.vocab_rows(view.top[LM_HEAD], f"{prefix}output_layer.weight", vp, t, r)
             elif not pre:  # tied: a copy of the embedding, identical bytes
                 out.vocab_rows(view.top[EMBED], f"{prefix}output_layer.weight", vp, t, r)
+            megatron_mtp.place(
+                out,
+                view,
+                lambda o, mtp, dense: _layer(o, view, mtp, dense, mtp.prefix, spec, coord, naming, slots),
+                prefix,
+                vp,
+                coord,
+                spec,
+                first_chunk=pre,
+                own_output=LM_HEAD in view.top or not pre,
+            )
     return out.done(coord), slots
 
 
