@@ -127,9 +127,17 @@ def test_tied_model_shares_the_embedding_as_mtp_head() -> None:
     one = _shard(tied, "tp=1")  # pp=1: no output_layer; the head is the embedding
     head = [p.local_name for p in one.pieces if p.tensor == "model.layers.3.shared_head.head.weight"]
     assert head == ["embedding.word_embeddings.weight"]
-    last = _shard(tied, "pp=3", pp_rank=2)  # the last stage's tied output_layer copy
+    # pp=3: the MTP stage projects with its embedding copy; its tied output_layer.weight is unused
+    # by Megatron (held, but no sender of anything), unlike the same stage without MTP.
+    last = _shard(tied, "pp=3", pp_rank=2)
     head = [p.local_name for p in last.pieces if p.tensor == "model.layers.3.shared_head.head.weight"]
-    assert head == ["output_layer.weight"]
+    assert head == ["embedding.word_embeddings.weight"]
+    assert "output_layer.weight" in _shapes(last)
+    assert not [p for p in last.pieces if p.local_name == "output_layer.weight"]
+    plain = _shard(build_manifest({**CONFIG, "tie_word_embeddings": True}), "pp=3", pp_rank=2)
+    assert {p.tensor for p in plain.pieces if p.local_name == "output_layer.weight"} == {
+        "model.embed_tokens.weight"
+    }
 
 
 def test_a_megatron_destination_of_the_mtp_part_is_refused_in_one_line() -> None:

@@ -358,6 +358,8 @@ def _stage(view: ModelView, spec: ParallelSpec, coord: RankCoord, naming: Naming
             out.full(view.top[FINAL_NORM], f"{prefix}decoder.final_layernorm.weight")
             if LM_HEAD in view.top:
                 out.vocab_rows(view.top[LM_HEAD], f"{prefix}output_layer.weight", vp, t, r)
+            elif not pre and view.mtp:  # tied, MTP stage: GPTModel projects with its embedding copy
+                out.local(f"{prefix}output_layer.weight", (vp // t, view.dims.hidden), view.top[EMBED].dtype)
             elif not pre:  # tied: a copy of the embedding, identical bytes
                 out.vocab_rows(view.top[EMBED], f"{prefix}output_layer.weight", vp, t, r)
             megatron_mtp.place(
@@ -369,7 +371,7 @@ def _stage(view: ModelView, spec: ParallelSpec, coord: RankCoord, naming: Naming
                 coord,
                 spec,
                 first_chunk=pre,
-                own_output=LM_HEAD in view.top or not pre,
+                own_output=LM_HEAD in view.top,
             )
     return out.done(coord), slots
 

@@ -42,8 +42,13 @@ layout places the MTP layer's `embed_tokens` and `shared_head.head` as second pi
 local tensors (same rows, same bytes) and a plan sends the main model's bytes for them, as an
 export of the Megatron model writes them. When the MTP chunk is not the first (pp*vpp > 1) it
 holds its own copy `embedding.word_embeddings.weight` of the embedding, another sender of
-`model.embed_tokens.weight`. A megatron *destination* cannot hold the MTP part (two canonical
-tensors would write one local region): refused in one line.
+`model.embed_tokens.weight`. Tied embeddings: language_module.shared_embedding_or_output_weight
+returns the embedding "During pre processing or MTP process", and GPTModel.forward projects with
+it (`output_weight = self.shared_embedding_or_output_weight()`): on an MTP stage that is not the
+first, the tied `output_layer.weight` Megatron still allocates is never used (nor synced by it),
+so it is declared without pieces and the head is the stage's embedding copy.
+A megatron *destination* cannot hold the MTP part (two canonical tensors would write one local
+region): refused in one line.
 """
 
 from __future__ import annotations
@@ -107,8 +112,8 @@ def place(
     """The MTP layers on the last chunk of the last stage (chunk name prefix `chunk`).
 
     `first_chunk`: this chunk also holds the model's embedding (pp*vpp == 1), else it gets the
-    MTP stage's copy here. `own_output`: the chunk holds `output_layer.weight` (untied, or a tied
-    copy), else the tied head is the embedding."""
+    MTP stage's copy here. `own_output`: untied, the chunk's `output_layer.weight` is the head;
+    tied, the head is the chunk's embedding (see the module docstring)."""
     if not view.mtp:
         return
     t, r = spec.tp, coord.tp_rank
