@@ -15,6 +15,9 @@ the tensor: a name no rule knows (for example a TE-only tensor in a local-spec l
 or dtype the layout does not expect, a vocabulary not padded to a multiple of 128·tp, layers
 whose `layer_number` is not where the PP/VPP split puts them, experts not where EP puts them.
 Families this source cannot serve (`MEGATRON_SOURCE_REFUSES`) are refused first, in one line.
+A model built with MTP layers (`mtp_num_layers` = the checkpoint's num_nextn_predict_layers)
+holds the manifest's MTP part under `mtp.layers.{i}.*` (layouts/megatron_mtp.py); discovery
+then finds its last stage reporting them (runtime/mtp_side.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.layouts.megatron import NAME, TE_NAME, VOCAB_MULTIPLE_PER_TP, chunk_ranges
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest, model_dims, model_family
+from sync_runtime.core.models.config import mtp_layer_count
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines.megatron_names import LiveTensor, layer_numbers, live_tensors, unwrap
 from sync_runtime.errors import LayoutError
@@ -117,13 +121,18 @@ class MegatronSource:
         self.layout = NAME  # until _pick_layout has seen the names
         base = {k: v for k, v in hf_config.items() if k != TENSOR_DTYPES_KEY}
         self._check_vocab(base)
-        self.layout, shard = self._pick_layout(build_manifest(base))
+        self.mtp = _mtp_layers(self.chunks, base, self.spec.pp)
+        self.layout, shard = self._pick_layout(self._held(build_manifest(base)))
         dtypes = self._canonical_dtypes(shard)
         if gather_dtypes and dist.is_initialized() and dist.get_world_size() > 1:
             dtypes = _all_union(dtypes)
         self.model_config: dict[str, Any] = {**base, TENSOR_DTYPES_KEY: dict(sorted(dtypes.items()))}
         self.manifest: Manifest = build_manifest(self.model_config)
         self.check()
+
+    def _held(self, manifest: Manifest) -> Manifest:
+        """What this model holds: with the MTP part when it was built with MTP layers."""
+        return manifest.with_mtp() if self.mtp else manifest
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -197,7 +206,7 @@ class MegatronSource:
 
     def check(self) -> None:
         """Names, shapes and dtypes against the layout; layer and expert placement."""
-        shard = self._shard(self.manifest)
+        shard = self._shard(self._held(self.manifest))
         live = {t.name: t.tensor for t in self.live}
         for meta in shard.tensors:
             t = live.get(meta.name)
@@ -230,6 +239,33 @@ class MegatronSource:
                         f"global expert {e}, EP rank {self.coord.ep_rank} holds "
                         f"[{first}, {first + per_rank})",
                     )
+
+
+def _mtp_layers(chunks: Sequence[torch.nn.Module], hf_config: Mapping[str, Any], pp: int) -> int:
+    """Megatron's `mtp_num_layers` (the same in every chunk's config), checked against the
+    checkpoint's `num_nextn_predict_layers`: the HF names of MTP layers come from the latter."""
+    config = getattr(chunks[0], "config", None) if chunks else None
+    n = int(getattr(config, "mtp_num_layers", None) or 0)
+    if not n:
+        return 0
+    want = mtp_layer_count(dict(hf_config))
+    if n != want:
+        raise LayoutError(
+            f"{NAME}: mtp.layers: Megatron-Core mtp_num_layers={n}, the checkpoint's "
+            f"num_nextn_predict_layers={want}: its MTP layers have no checkpoint names"
+        )
+    if n > 1 and getattr(config, "mtp_use_repeated_layer", False):
+        raise LayoutError(
+            f"{NAME}: mtp.layers: mtp_use_repeated_layer holds one MTP layer for {n} checkpoint layers"
+        )
+    if model_dims(dict(hf_config)).tie_embeddings and len(chunks) * pp > 1:
+        # The MTP stage projects with its embedding copy; its tied output_layer.weight is never
+        # used, so a plan without the MTP part (which sees no MTP stage) must not send from it.
+        raise LayoutError(
+            f"{NAME}: output_layer.weight: tied embeddings with MTP layers on a later stage than the "
+            "embedding (pp*vpp > 1): that stage's output layer is unused by Megatron-Core"
+        )
+    return n
 
 
 def _unprefixed(name: str) -> str:

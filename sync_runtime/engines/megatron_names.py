@@ -6,7 +6,8 @@ buffers (state_dict keys, e.g. `mlp.router.expert_bias`), without `_extra_state`
 carries two names: the layout name (our `chunk{c}.` prefix when v > 1, Megatron's local layer
 index j and local expert index k) and the global name (no prefix, global layer number
 `layer_number - 1`, global expert id from `MoELayer.local_expert_indices`) that the converter
-and the checks use.
+and the checks use. MTP layers (`GPTModel.mtp`, on the last chunk of the last stage) keep their
+index i in `mtp.layers.{i}.`, their experts get global ids the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_MTP_BLOCK = re.compile(r"^(mtp\.layers\.(\d+)\.mtp_model_layer\.)(.*)$")
+"""An MTP layer's decoder block (GPTModel.mtp, layouts/megatron_mtp.py): its index i stays as is."""
 _LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.*)$")
 _GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 
@@ -62,29 +65,41 @@ def expert_ids(chunk: torch.nn.Module) -> dict[int, list[int]]:
     return out
 
 
-def _global(rest: str, layer: int, experts: list[int] | None) -> str:
+def mtp_expert_ids(chunk: torch.nn.Module) -> dict[int, list[int]]:
+    """Global expert ids of every MoE MTP layer's local experts, by MTP layer index i."""
+    block = getattr(chunk, "mtp", None)
+    out: dict[int, list[int]] = {}
+    for i, layer in enumerate(block.layers if block is not None else []):
+        inner = getattr(layer, "mtp_model_layer", None)
+        ids = getattr(getattr(inner, "mlp", None), "local_expert_indices", None)
+        if ids is not None:
+            out[i] = [int(e) for e in ids]
+    return out
+
+
+def _global(prefix: str, rest: str, experts: list[int] | None) -> str:
     m = _LOCAL_EXPERT.match(rest)
     if m and experts is not None:
-        return f"decoder.layers.{layer}.mlp.experts.local_experts.{experts[int(m[1])]}.{m[2]}"
+        return f"{prefix}mlp.experts.local_experts.{experts[int(m[1])]}.{m[2]}"
     m = _GROUPED_EXPERT.match(rest)
     if m and experts is not None:
-        return f"decoder.layers.{layer}.mlp.experts.{m[1]}.{m[2]}{experts[int(m[3])]}"
-    return f"decoder.layers.{layer}.{rest}"
+        return f"{prefix}mlp.experts.{m[1]}.{m[2]}{experts[int(m[3])]}"
+    return prefix + rest
 
 
 def chunk_tensors(chunk: torch.nn.Module, prefix: str) -> list[LiveTensor]:
     """Parameters and persistent buffers of one unwrapped chunk, in state_dict order."""
-    numbers, experts = layer_numbers(chunk), expert_ids(chunk)
+    numbers, experts, mtp_experts = layer_numbers(chunk), expert_ids(chunk), mtp_expert_ids(chunk)
     out = []
     for name, value in chunk.state_dict(keep_vars=True).items():
         if name.endswith("_extra_state") or not isinstance(value, torch.Tensor):
             continue  # TE/FP8 metadata, not a weight
-        m = _LAYER.match(name)
-        if m is None:
-            global_name = name
-        else:
+        global_name = name
+        if (m := _LAYER.match(name)) is not None:
             j = int(m[1])
-            global_name = _global(m[2], numbers[j], experts.get(j))
+            global_name = _global(f"decoder.layers.{numbers[j]}.", m[2], experts.get(j))
+        elif (m := _MTP_BLOCK.match(name)) is not None:
+            global_name = _global(m[1], m[3], mtp_experts.get(int(m[2])))
         dim = (
             getattr(value, "partition_dim", None) if getattr(value, "tensor_model_parallel", False) else None
         )
