@@ -81,6 +81,8 @@ def _llm_call(instance: Any, attr: str | None, op: str, args: tuple) -> Any:
         return llm.init_weight_transfer_engine({"init_info": args[0]})
     if op == "start":
         return llm.start_weight_update()
+    if op == "start_draft":
+        return llm.start_draft_weight_update()
     if op == "update":
         return llm.update_weights({"update_info": args[0]})
     if op == "finish":
@@ -101,6 +103,8 @@ async def weightsync_control(engine: Any, op: str, *args: Any) -> Any:
         return await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=args[0]))
     if op == "start":
         return await engine.start_weight_update()
+    if op == "start_draft":
+        return await engine.start_draft_weight_update()
     if op == "update":
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
@@ -150,6 +154,9 @@ class ActorControl:
 
     def start(self) -> None:
         self._call("start")
+
+    def start_draft(self) -> None:
+        self._call("start_draft")
 
     def update(self, update_info: dict[str, Any]) -> None:
         self._call("update", update_info)

@@ -29,6 +29,19 @@ from sync_runtime.engines.vllm_apply import (
     engine_tensors,
 )
 
+DRAFTER_PENDING = ("drafter", None)
+"""A weightsync backend worker's init answer when its engine speculates with MTP: it becomes a
+rank (`ws_setup`) only inside the draft-model session the proxy opens next, where vLLM hands it
+the drafter (vllm_plugin/backend.py, vllm_ranks.py). Not in vllm_plugin/__init__.py: that whole
+file is part of every oracle's cache key (testing/reference_cache.ENGINE_CODE)."""
+
+
+def speculates_with_mtp(vllm_config: Any) -> bool:
+    """Whether the engine's speculative method is "mtp" (vLLM 0.32 normalises "deepseek_mtp" and
+    the like to it): its drafter holds the MTP part, as `vllm_apply.mtp_drafter` finds it."""
+    speculative = getattr(vllm_config, "speculative_config", None)
+    return speculative is not None and getattr(speculative, "method", None) == "mtp"
+
 
 def drafter_tensors(
     drafter: torch.nn.Module, target: torch.nn.Module, model_dtype: torch.dtype

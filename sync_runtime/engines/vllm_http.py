@@ -99,6 +99,10 @@ class HttpControl:
     def start(self) -> None:
         self._call("POST", "/start_weight_update")
 
+    def start_draft(self) -> None:
+        """A session whose updates reach the speculative drafter (vllm_ranks: MTP setup)."""
+        self._call("POST", "/start_draft_weight_update")
+
     def update(self, update_info: dict[str, Any]) -> None:
         self._call("POST", "/update_weights", body={"update_info": update_info})
 

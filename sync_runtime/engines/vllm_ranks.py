@@ -7,6 +7,9 @@ it reaches the engine only through vLLM's own weight-transfer control surface, v
 `EngineControl`:
 
 - `init`: `init_weight_transfer_engine`, once: every worker joins this actor's control store;
+  an engine speculating with MTP then gets one draft-model session (`start_draft_weight_update`
+  .. finish, vLLM's public API) with `ws_setup` in it, where each worker learns its drafter
+  (vllm_plugin/backend.py); an engine whose vLLM refuses that session is refused in one line;
 - each batched protocol call: `update_weights` with `{"seq", "method"}` inside its own
   `start_weight_update` .. `finish_weight_update` session (never left open: vLLM refuses a
   second start, so an open one would block the engine's next proxy); the per-rank arguments and
@@ -33,6 +36,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from sync_runtime.engines.vllm_batch import Batch, RankBatcher, Result, value
+from sync_runtime.engines.vllm_drafter import DRAFTER_PENDING
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.errors import DestinationError, DiscoveryError, ParticipantDied
 from sync_runtime.runtime.participant import ParticipantMeta
@@ -58,6 +62,7 @@ class EngineControl(Protocol):
     def world_size(self) -> int: ...
     def init(self, init_info: dict[str, Any]) -> None: ...
     def start(self) -> None: ...
+    def start_draft(self) -> None: ...
     def update(self, update_info: dict[str, Any]) -> None: ...
     def finish(self, version: str | None) -> None: ...
     def pause(self, mode: str) -> None: ...
@@ -102,10 +107,36 @@ class VllmEngineRanks(RankBatcher):
                 "actor_id": ctx.get_actor_id() or "",
             }
         )
-        metas = [value(pickle.loads(self._await(init_key(self._prefix, i)))) for i in range(world)]
+        answers = [pickle.loads(self._await(init_key(self._prefix, i))) for i in range(world)]
+        metas = [value(r) for r in self._setup_drafters(answers)]
         for i, m in enumerate(metas):
             if m.coord.replica != replica:
                 raise DiscoveryError(f"worker {i} reports replica {m.coord.replica}, expected {replica}")
+
+    def _setup_drafters(self, answers: list[Result]) -> list[Result]:
+        """The init answers; where the workers wait for their MTP drafter, their `ws_setup`
+        answers from one draft-model session (the only place vLLM hands the backend the drafter)."""
+        pending = [a == DRAFTER_PENDING for a in answers]
+        if not any(pending):
+            return answers
+        if not all(pending):
+            raise DiscoveryError(f"workers {pending.count(True)} of {len(pending)} wait for an MTP drafter")
+        with self._state:
+            self._seq += 1
+            seq = self._seq
+
+        def work() -> None:
+            self._control.update({"seq": seq, "method": "ws_setup"})
+
+        try:
+            self._in_session(work, draft=True)
+        except Exception as e:  # vLLM's own refusal (no drafter, no draft session): one line
+            first = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+            raise DestinationError(
+                f"the engine speculates with MTP, but its draft-model weight-update session failed "
+                f"({first[0][:300]}): its drafter cannot be synced"
+            ) from e
+        return self._answers(seq)
 
     # ---- the WeightSync protocol ------------------------------------------------------------
 
@@ -173,14 +204,15 @@ class VllmEngineRanks(RankBatcher):
             self._pause_engine()
         self._control.update({"seq": seq, "method": method})
 
-    def _in_session(self, work: Callable[[], str | None]) -> None:
+    def _in_session(self, work: Callable[[], str | None], *, draft: bool = False) -> None:
         """`work` inside one vLLM weight-update session (start .. finish), never left open: vLLM
         accepts update_weights only inside one and refuses a second start while one is open, so a
         session left open (by a runtime that ended, or a proxy killed) would block every later
         proxy of the engine. `work` returns the version label finish gives the engine's outputs
-        (None: the label is kept)."""
+        (None: the label is kept). `draft`: vLLM's draft-model session (its backend targets the
+        drafter until finish)."""
         with self._session:
-            self._start()
+            self._start(draft)
             try:
                 version = work()
             except Exception:
@@ -189,14 +221,15 @@ class VllmEngineRanks(RankBatcher):
                 raise
             self._control.finish(version)
 
-    def _start(self) -> None:
+    def _start(self, draft: bool = False) -> None:
+        start = self._control.start_draft if draft else self._control.start
         try:
-            self._control.start()
+            start()
         except Exception as e:
             if "already active" not in str(e):
                 raise
             self._control.finish(None)  # left open by an earlier proxy of this engine; label kept
-            self._control.start()
+            start()
 
     def _after_batch(self, batch: Batch) -> None:
         if batch.method != "ws_resume":

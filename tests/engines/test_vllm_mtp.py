@@ -1,11 +1,14 @@
 """DeepSeek-V3's MTP (draft) layers synced into a real vLLM drafter (issue 24 item 5, end to end).
 
-A tiny DeepSeek-V3 with one MTP layer (num_nextn_predict_layers=1). The destination is a
-dummy-weight vLLM at TP 2 (TPS) with MTP speculative decoding (its drafter: vLLM's EagleProposer
-around a DeepSeekMTP); the source an HF-layout rank holding the canonical tensors, the MTP
-layer's included. No declaration says the engine serves MTP: its rank reports the drafter's
-tensors, so discovery plans it the MTP part (runtime/mtp_side.py). The oracle is the same engine
-loaded from the checkpoint (write_model writes the MTP layer), through the reference cache.
+A tiny DeepSeek-V3 with one MTP layer (num_nextn_predict_layers=1). The destination is a user's
+engine as users run it: a `vllm.LLM` in a Ray actor (tests/support/vllm_user.py), dummy weights,
+TP 2 (TPS), MTP speculative decoding (its drafter: vLLM's EagleProposer around a DeepSeekMTP) and
+the weightsync plugin backend, attached through `ActorControl`; its workers learn their drafter in
+the one draft-model session vLLM's public API offers (vllm_plugin/backend.py). The source is an
+HF-layout rank holding the canonical tensors, the MTP layer's included. No declaration says the
+engine serves MTP: its ranks report the drafter's tensors, so discovery plans it the MTP part
+(runtime/mtp_side.py). The oracle is a VllmReplica loaded from the checkpoint (write_model
+writes the MTP layer) with the same engine arguments, through the reference cache.
 
 - The rank reports the vllm layout's shard of the model with MTP (the drafter's tensors under
   `drafter.`, never the shared embedding / lm_head twice, never the derived W_UK_T / W_UV).
@@ -19,7 +22,7 @@ loaded from the checkpoint (write_model writes the MTP layer), through the refer
   counters cannot either here (seeded random weights: no draft token accepted, synced or
   scrambled), they only show the drafter proposing during generation.
 
-One engine start per TP in TPS (plus its oracle on a reference-cache miss), one at a time.
+One engine start per TP in TPS (plus its oracle on a reference-cache miss).
 """
 
 from __future__ import annotations
@@ -34,14 +37,17 @@ import ray
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
+from sync_runtime.engines.vllm_actor import ActorControl
+from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_participants
 from sync_runtime.testing.hf_source import HfDemoSource
-from sync_runtime.testing.vllm_deploy import destination_ref, stop_replicas, sync_spec, wait_ready
+from sync_runtime.testing.vllm_deploy import destination_ref, stop_replicas, sync_spec
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
-from tests.support.vllm_deploy import generations, kernel_checksums, rows_equal, start_replica
+from tests.support.vllm_deploy import engine_env, generations, kernel_checksums, rows_equal, start_replica
 from tests.support.vllm_oracle import finish_oracles, start_oracles
+from tests.support.vllm_user import UserEngine
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # `__ray_call__` functions below
@@ -68,20 +74,31 @@ def start_mtp_replica(
     load_format: str = "dummy",
     stats: bool = False,
 ) -> Any:
-    """A VllmReplica speculating with `mtp` MTP draft tokens (vLLM's "mtp" method); `stats`:
-    vLLM keeps its metrics (the speculative decoding counters: `spec_counts`)."""
-    speculative = {"method": "mtp", "num_speculative_tokens": mtp}
-    engine_args: dict[str, Any] = {"speculative_config": speculative}
+    """A VllmReplica speculating with `mtp` MTP draft tokens (vLLM's "mtp" method): the oracle."""
+    engine_args = mtp_engine_args(mtp, stats=stats)
+    return start_replica(name, namespace, model_dir, tp=tp, load_format=load_format, engine_args=engine_args)
+
+
+def mtp_engine_args(mtp: int, *, stats: bool) -> dict[str, Any]:
+    """vLLM arguments of speculation with `mtp` MTP draft tokens; `stats`: vLLM keeps its metrics
+    (the speculative decoding counters: `spec_counts`)."""
+    engine_args: dict[str, Any] = {"speculative_config": {"method": "mtp", "num_speculative_tokens": mtp}}
     if stats:
         engine_args["disable_log_stats"] = False
-    return start_replica(name, namespace, model_dir, tp=tp, load_format=load_format, engine_args=engine_args)
+    return engine_args
+
+
+def start_user_engine(model_dir: str, tp: int) -> Any:
+    """The user's actor holding a `vllm.LLM` with the weightsync backend and MTP speculation."""
+    options = {"num_cpus": 0, "runtime_env": {"env_vars": engine_env(tp)}}
+    return ray.remote(UserEngine).options(**options).remote(model_dir, tp, mtp_engine_args(1, stats=True))
 
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 def _read_spec_counters(replica: Any) -> dict[str, float]:
-    """Inside the replica actor: vLLM's speculative decoding counters (summed over engines)."""
+    """Inside the user's actor: vLLM's speculative decoding counters (summed over engines)."""
     out = dict.fromkeys(SPEC_COUNTERS, 0.0)
     for metric in replica.llm.get_metrics():
         if metric.name in out:
@@ -113,22 +130,27 @@ def deployment(
     assert manifest.mtp
     ref_dir = write_model(tmp_path_factory.mktemp("mtp") / "v1", CONFIG, manifest, seed=0, version="v1")
     setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=1", dst, namespace=NS, seed=0)
-    engine = start_mtp_replica(f"mtpdut{tp}-0", NS, ref_dir, tp=tp, mtp=1, stats=True)
+    engine = start_user_engine(ref_dir, tp)
     oracles = start_oracles(
         ref_dir, NS, {"ref": (f"mtpref{tp}", {"tp": tp, "mtp": 1})}, calls=1, start=start_mtp_replica
     )
     sources: list[Any] = []
+    ranks = None
     try:
         sources = create_participants(
             setup, src_version="v1", dst_version="-", skip=_destinations, source_class=lambda c: HfDemoSource
         )
-        wait_ready([engine], timeout_s=800)
-        dummy_kernels = kernel_checksums(engine)  # before any sync
+        ray.get(engine.start.remote(), timeout=800)  # the user's engine is up
+        # WeightSync's side of it (the destination's replica 0): the draft session happens here
+        ranks = attach(f"mtpdut{tp}-0", NS, ActorControl(engine), ranks=tp)
+        ray.get(ranks.ws_num_ranks.remote(), timeout=300)
+        dummy_kernels = kernel_checksums(ranks)  # before any sync
         out = finish_oracles(oracles, timeout_s=800)["ref"]
         spec = sync_spec(setup.model, NS, setup.src, [destination_ref("dut", NS, f"mtpdut{tp}-", dst)], "v1")
         yield {
             "dst": dst,
             "engine": engine,
+            "ranks": ranks,
             "sources": sources,
             "manifest": manifest,
             "dummy_kernels": dummy_kernels,
@@ -138,6 +160,8 @@ def deployment(
         }
     finally:
         stop_replicas([engine, *oracles.started.values()])
+        if ranks is not None:
+            ray.kill(ranks)
         kill_participants(setup)
 
 
@@ -156,7 +180,7 @@ def _drafter(kernels: dict[str, str]) -> dict[str, str]:
 
 def test_engine_reports_the_drafters_tensors(deployment: dict[str, Any]) -> None:
     dst = deployment["dst"]
-    metas = ray.get(deployment["engine"].ws_meta.remote())
+    metas = ray.get(deployment["ranks"].ws_meta.remote())
     assert len(metas) == dst.tp
     for meta in metas:
         got = {t.name: tuple(t.shape) for t in meta.tensors}
@@ -173,6 +197,7 @@ def test_engine_reports_the_drafters_tensors(deployment: dict[str, Any]) -> None
 
 def test_drafter_after_the_sync_equals_the_checkpoint_loaded_drafter(deployment: dict[str, Any]) -> None:
     engine, ref, ref_kernels = deployment["engine"], deployment["ref"], deployment["ref_kernels"]
+    ranks = deployment["ranks"]
     assert len(ref_kernels) == deployment["dst"].tp
     for rank, dummy in zip(ref_kernels, deployment["dummy_kernels"], strict=True):
         drafter_ref = _drafter(rank)
@@ -183,7 +208,7 @@ def test_drafter_after_the_sync_equals_the_checkpoint_loaded_drafter(deployment:
         assert set(before) == set(drafter_ref)
         assert all(before[n] != drafter_ref[n] for n in [*derived, DRAFTER + EH_PROJ])
     _sync(deployment, "v1")
-    kernels = kernel_checksums(engine)
+    kernels = kernel_checksums(ranks)
     assert [_drafter(k) for k in kernels] == [_drafter(k) for k in ref_kernels]
     assert kernels == ref_kernels  # the main model too, bit for bit
     synced = generations([engine])[0]
@@ -197,12 +222,12 @@ def test_drafter_after_the_sync_equals_the_checkpoint_loaded_drafter(deployment:
 
 
 def test_a_scrambled_mtp_tensor_leaves_the_drafter_unlike_the_oracle(deployment: dict[str, Any]) -> None:
-    engine, ref_kernels = deployment["engine"], deployment["ref_kernels"]
+    ranks, ref_kernels = deployment["ranks"], deployment["ref_kernels"]
     (source,) = deployment["sources"]
     ray.get(source.scramble.remote(EH_PROJ))
     try:
         _sync(deployment, "v1-scrambled")
-        kernels = kernel_checksums(engine)
+        kernels = kernel_checksums(ranks)
     finally:
         ray.get(source.scramble.remote(EH_PROJ))  # undo for a later sync (x + 1 - 1: exact here)
     for got, want in zip(kernels, ref_kernels, strict=True):  # eh_proj: whole on every TP rank

@@ -52,10 +52,11 @@ def row_of(completion: Any) -> dict:
 class UserEngine:
     """What a user writes: an actor holding a vLLM engine, nothing from WeightSync."""
 
-    def __init__(self, model: str, tp: int) -> None:
+    def __init__(self, model: str, tp: int, extra: dict[str, Any] | None = None) -> None:
+        """`extra`: more vLLM engine arguments (e.g. a speculative config: test_vllm_mtp.py)."""
         from vllm import LLM
 
-        self.llm = LLM(**engine_args(model, tp))
+        self.llm = LLM(**(engine_args(model, tp) | (extra or {})))
 
     def start(self) -> str:
         """The engine is up (built in the constructor): its weight version label."""

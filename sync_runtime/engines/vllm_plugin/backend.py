@@ -8,6 +8,13 @@ through its public weight-transfer API, which reaches every worker at once:
   becomes a destination rank (coordinates from vLLM's own parallel state, tensors from the live
   model's pre-load metadata: engines/vllm_worker.VllmRankParticipant with host `VllmStaging`) and
   posts its metadata there. An unknown vLLM version is refused here, by name.
+- An engine speculating with MTP: vLLM hands a weight-transfer engine the target model only,
+  and its drafter (which holds the MTP part) through the public draft-model session alone
+  (`start_draft_weight_update` points this engine's `model` at the drafter until the session's
+  finish). So at init such a worker posts `DRAFTER_PENDING` instead of its metadata, the proxy
+  opens one draft session and sends `ws_setup` in it, and the worker becomes a rank holding both
+  modules (its tensors and apply: vllm_drafter.py). A vLLM without that session refuses such an
+  engine at init, in one line.
 - `update_weights({"seq": n, "method": "ws_..."})`: one call of the WeightSync rank protocol.
   Per-rank arguments and each rank's answer travel through that store (pickled control data,
   never tensors: vLLM's RPC and HTTP carry only the small JSON update_info). `ws_join` and
@@ -40,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from sync_runtime.engines.vllm_apply import require_supported_vllm
 from sync_runtime.engines.vllm_batch import Result
+from sync_runtime.engines.vllm_drafter import DRAFTER_PENDING, speculates_with_mtp
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_worker import VllmWorkerExtension
 from sync_runtime.errors import DestinationError, WeightSyncError
@@ -74,14 +82,20 @@ class _Dispatch(VllmWorkerExtension):
 
     def __init__(self, vllm_config: Any, model: torch.nn.Module, device: torch.device) -> None:
         self.vllm_config = vllm_config
-        self.model_runner = SimpleNamespace(model=model)
+        # `drafter.model` is where vllm_apply.mtp_drafter finds an MTP drafter (set_drafter)
+        self.model_runner = SimpleNamespace(model=model, drafter=None)
         self.device = device
+
+    def set_drafter(self, drafter: torch.nn.Module) -> None:
+        self.model_runner.drafter = SimpleNamespace(model=drafter)
 
 
 class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdateInfo]):
     init_info_cls = WeightSyncInitInfo
     update_info_cls = WeightSyncUpdateInfo
-    supports_draft_weight_update = False
+    supports_draft_weight_update = True
+    """The draft session is how an MTP drafter is learnt (module doc); any other update in one
+    is the rank protocol as in a target session (the modules were fixed at setup)."""
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -89,6 +103,8 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         self._store: dist.TCPStore | None = None
         self._prefix = ""
         self._index = -1
+        self._pending_setup: dict[int, tuple] | None = None
+        """ws_setup's arguments while an MTP worker waits for its drafter (init .. draft session)."""
         # One thread: the protocol's calls run in the order they arrive, as on a Ray actor.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync")
 
@@ -101,8 +117,28 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         self._prefix = info.prefix
         self._index = self._dispatch._ws_local_index()
         setup = {self._index: (info.replica, info.node, info.actor_name, info.actor_id)}
+        if speculates_with_mtp(self.vllm_config):
+            _require_draft_session()
+            self._pending_setup = setup
+            self._store.set(init_key(self._prefix, self._index), pickle.dumps(DRAFTER_PENDING))
+            return
         result = self._dispatch._ws_dispatch("ws_setup", setup)
         self._store.set(init_key(self._prefix, self._index), pickle.dumps(result))
+
+    def _setup_with_drafter(self) -> Result:
+        """`ws_setup` sent inside the draft session: `self.model` is the drafter there."""
+        setup, target = self._pending_setup, self._dispatch.model_runner.model
+        if setup is None:
+            return "error", DestinationError("ws_setup: this worker is not waiting for its drafter")
+        if self.model is target:
+            return "error", DestinationError(
+                "ws_setup of an MTP engine must run in a draft-model session (start_draft_weight_update)"
+            )
+        self._dispatch.set_drafter(self.model)
+        result = self._dispatch._ws_dispatch("ws_setup", setup)
+        if result[0] == "ok":
+            self._pending_setup = None
+        return result
 
     def start_weight_update(self) -> None:
         pass  # staging begins inside ws_run (VllmStaging.begin); nothing to prepare here
@@ -125,7 +161,10 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
 
         def run() -> None:
             with span(f"worker.{method}"):
-                result: Result = self._dispatch._ws_dispatch(method, per_rank)
+                if method == "ws_setup":
+                    result: Result = self._setup_with_drafter()
+                else:
+                    result = self._dispatch._ws_dispatch(method, per_rank)
             if method == "ws_commit" and torch.accelerator.is_available():
                 torch.accelerator.synchronize()  # the next forward pass reads the applied weights
             try:
@@ -147,3 +186,16 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
                 log.warning("weightsync backend: leaving the sync group failed: %s", e)
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._store = None
+
+
+def _require_draft_session() -> None:
+    """An MTP engine's drafter is reached only through vLLM's draft-model session
+    (`WeightTransferEngine.set_weight_update_target`, which `start_draft_weight_update` calls):
+    without it the drafter would keep stale weights, so the engine is refused."""
+    if not callable(getattr(WeightTransferEngine, "set_weight_update_target", None)):
+        import vllm
+
+        raise DestinationError(
+            f"vLLM {vllm.__version__}: the engine speculates with MTP, but this vLLM has no draft-model "
+            "weight-update session (start_draft_weight_update): its drafter cannot be synced"
+        )
