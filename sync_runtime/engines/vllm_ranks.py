@@ -131,10 +131,10 @@ class VllmEngineRanks(RankBatcher):
         try:
             self._in_session(work, draft=True)
         except Exception as e:  # vLLM's own refusal (no drafter, no draft session): one line
-            first = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[-1]  # a traceback's last line
             raise DestinationError(
                 f"the engine speculates with MTP, but its draft-model weight-update session failed "
-                f"({first[0][:300]}): its drafter cannot be synced"
+                f"({reason[:300]}): its drafter cannot be synced"
             ) from e
         return self._answers(seq)
 
