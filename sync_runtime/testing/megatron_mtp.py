@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.layouts.base import LocalTensorMeta
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import build_manifest
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.engines import megatron_cpu
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.participant import dtype_name
 from sync_runtime.testing.local_ranks import RankContext
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
 
@@ -90,7 +92,8 @@ def mtp_rank(
     ctx: RankContext, config: dict[str, Any], src: str, dst: str, rendezvous: str, scramble: str | None
 ) -> dict[str, Any]:
     """One rank of the sync. Sources: `scramble` names a local tensor reversed (rows) after the
-    export, so the reference keeps the trainer's weights. Returns what the test checks."""
+    export, so the reference keeps the trainer's weights. Returns what the test checks (a
+    source: its reported tensors, as discovery gets them)."""
     from sync_runtime.engines.megatron import MegatronSource
     from sync_runtime.engines.megatron_convert import export_shards
 
@@ -111,7 +114,11 @@ def mtp_rank(
         _same(source.manifest.with_mtp(), planned)
         want = source_side.coords[ctx.rank]
         assert (source.coord.tp_rank, source.coord.pp_rank) == (want.tp_rank, want.pp_rank), source.coord
-        out.update(layout=source.layout, exports=export_shards(source.live), names=sorted(source.tensors))
+        out.update(layout=source.layout, exports=export_shards(source.live), coord=source.coord)
+        out["tensors"] = [
+            LocalTensorMeta(n, tuple(t.shape), dtype_name(t.dtype)) for n, t in source.tensors.items()
+        ]
+        out["model_config"] = source.model_config
         sources = source.tensors
         if scramble in sources:  # on every rank holding it
             with torch.no_grad():

@@ -17,7 +17,11 @@ from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.manifest import MTP_PART
 from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.topology import Role
 from sync_runtime.engines.megatron_convert import gather_full, to_hf
+from sync_runtime.runtime.discovery import Participant, check_side
+from sync_runtime.runtime.participant import ParticipantMeta
+from sync_runtime.schema.crd import DeploymentRef, Parallelism
 from sync_runtime.testing.local_ranks import LocalWorld
 from sync_runtime.testing.megatron_actors import free_address
 from sync_runtime.testing.megatron_mtp import mtp_rank, sides
@@ -42,6 +46,20 @@ def _sync(world: LocalWorld, src: str, scramble: str | None) -> list[dict[str, A
         assert o.error is None and o.exitcode is None, o
         assert o.value["ok"], o.value
     return [o.value for o in outcomes]
+
+
+def _participants(sources: list[dict[str, Any]], keep: list[set[str]] | None) -> list[Participant]:
+    """The trainer ranks as discovery finds them (rank i's reported tensors named in keep[i])."""
+    out = []
+    for i, r in enumerate(sources):
+        tensors = tuple(t for t in r["tensors"] if keep is None or t.name in keep[i])
+        meta = ParticipantMeta(
+            role=Role.SOURCE, coord=r["coord"], layout=r["layout"],
+            tensors=tensors, node_ip="127.0.0.1", device="cpu",
+            pid=i, actor_name=f"p-{i}", actor_id=f"id{i}", version="v1", group_name=None, group_healthy=False,
+        )  # fmt: skip
+        out.append(Participant(handle=None, name=f"p-{i}", namespace="ns", meta=meta))
+    return out
 
 
 def _mismatches(src: str, reports: list[dict[str, Any]]) -> tuple[dict[int, list[str]], set[str]]:
@@ -79,9 +97,23 @@ def test_megatron_mtp_source_syncs_bit_exact_into_hf_and_scramble_is_caught(
     held = build_manifest(CONFIG).with_mtp()
     for report, coord in zip(sources, source.coords, strict=True):
         expected = {t.name for t in get_layout("megatron").shard(held, source.spec, coord).tensors}
-        assert set(report["names"]) == expected
-    mtp_names = {n for n in sources[-1]["names"] if n.startswith("mtp.layers.0.")}
+        assert {t.name for t in report["tensors"]} == expected
+    mtp_names = {t.name for t in sources[-1]["tensors"] if t.name.startswith("mtp.layers.0.")}
     assert EH_PROJ in mtp_names and len(mtp_names) == 33  # 4 MTP-only + the MoE block's 29
+    # Discovery, on what the trainer ranks report (names, shapes, dtypes, manifest config): the
+    # side holds the MTP part; the same ranks without what MTP adds (mtp.layers.*, and at pp=2
+    # stage 1's embedding copy) hold none.
+    manifest = build_manifest(sources[0]["model_config"])
+    ref = DeploymentRef(
+        name="trainer", ray_address="x:1", actor_prefix="p-", layout="megatron",
+        parallelism=Parallelism.from_spec(source.spec),
+    )  # fmt: skip
+    assert check_side(ref, Role.SOURCE, _participants(sources, None), manifest).mtp
+    without = [
+        {t.name for t in get_layout("megatron").shard(manifest, source.spec, c).tensors}
+        for c in source.coords
+    ]
+    assert not check_side(ref, Role.SOURCE, _participants(sources, without), manifest).mtp
     wrong, covered = _mismatches(src, reports)
     assert wrong == {0: [], 1: []}
     mtp_part = {t.name for t in build_manifest(CONFIG).mtp if t.part == MTP_PART}
