@@ -88,11 +88,11 @@ def mtp_drafter(model_runner: Any, vllm_config: Any) -> torch.nn.Module | None:
         return None
     model = getattr(getattr(model_runner, "drafter", None), "model", None)
     if not isinstance(model, torch.nn.Module):
-        # The weightsync transfer-engine backend (vllm_plugin) is handed the target model only:
-        # refused rather than leaving a drafter that serves stale weights.
+        # Refused rather than leaving a drafter that serves stale weights. The weightsync backend
+        # (vllm_plugin) learns the drafter in vLLM's draft-model session before it gets here.
         raise DestinationError(
-            "the engine speculates with MTP, but its drafter model is not reachable here (the "
-            "weightsync backend is given the target model only): the drafter would keep stale weights"
+            "the engine speculates with MTP, but its drafter model is not reachable here: "
+            "the drafter would keep stale weights"
         )
     return model
 
