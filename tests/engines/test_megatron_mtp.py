@@ -82,12 +82,13 @@ def _mismatches(src: str, reports: list[dict[str, Any]]) -> tuple[dict[int, list
     return wrong, covered
 
 
-@pytest.mark.parametrize("src", ["tp=2", "pp=2,layers=2+1"])
+@pytest.mark.parametrize("src", ["tp=2", "tp=2,ep=2", "pp=2,layers=2+1"])
 def test_megatron_mtp_source_syncs_bit_exact_into_hf_and_scramble_is_caught(
     world: LocalWorld, src: str
 ) -> None:
-    # tp=2: eh_proj split by rows over the two ranks. pp=2: MTP on stage 1 with its own copy of
-    # the embedding (Megatron all-reduces it from stage 0), the sender of the MTP embed_tokens.
+    # tp=2: eh_proj split by rows over the two ranks; ep=2: the MTP layer's experts 4-7 are rank 1's
+    # local 0-3. pp=2: MTP on stage 1 with its own copy of the embedding (Megatron all-reduces it
+    # from stage 0), the sender of the MTP embed_tokens.
     reports = _sync(world, src, scramble=None)
     sources = [r for r in reports if r["role"] == "source"]
     assert [r["layout"] for r in sources] == ["megatron", "megatron"]
@@ -99,7 +100,9 @@ def test_megatron_mtp_source_syncs_bit_exact_into_hf_and_scramble_is_caught(
         expected = {t.name for t in get_layout("megatron").shard(held, source.spec, coord).tensors}
         assert {t.name for t in report["tensors"]} == expected
     mtp_names = {t.name for t in sources[-1]["tensors"] if t.name.startswith("mtp.layers.0.")}
-    assert EH_PROJ in mtp_names and len(mtp_names) == 33  # 4 MTP-only + the MoE block's 29
+    # 4 MTP-only + the MoE block's 13 + 2 per local expert (8 experts over ep; global ids checked
+    # by the adapter)
+    assert EH_PROJ in mtp_names and len(mtp_names) == 4 + 13 + 2 * 8 // source.spec.ep
     # Discovery, on what the trainer ranks report (names, shapes, dtypes, manifest config): the
     # side holds the MTP part; the same ranks without what MTP adds (mtp.layers.*, and at pp=2
     # stage 1's embedding copy) hold none.
