@@ -20,7 +20,7 @@ def _report(preset: str, *, mtp: bool = False) -> SyncReport:
     src, dst = ParallelSpec(tp=2), ParallelSpec(tp=2)
     plan = plan_sync(
         manifest,
-        # A Megatron source holds no MTP layers: a destination that serves them needs an hf source.
+        # The MTP case from an hf source (a megatron one places MTP too: test_megatron_mtp_layout).
         SideSpec("hf" if mtp else "megatron", src, tuple(enumerate_ranks(src, Role.SOURCE))),
         [SideSpec("vllm", dst, tuple(enumerate_ranks(dst, Role.DESTINATION)), mtp)],
         PlannerConfig(),

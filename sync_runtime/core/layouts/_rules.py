@@ -324,9 +324,8 @@ class RuleLayout:
     def _check(self, view: ModelView, spec: ParallelSpec) -> None:
         if view.mtp and not self.places_mtp:
             raise LayoutError(
-                f"{self.name}: {view.mtp[0].prefix}* (MTP): this layout has no rule for MTP layers "
-                "(Megatron-Core's mtp.layers.* are not mapped); an MTP destination needs a source "
-                "holding the canonical tensors (layout hf)"
+                f"{self.name}: {view.mtp[0].prefix}* (MTP): this layout has no rule for MTP layers; "
+                "an MTP destination needs a source layout that places them (hf or megatron)"
             )
         self.check(view, spec)
 
