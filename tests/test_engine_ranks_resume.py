@@ -13,35 +13,27 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-import ray
-import torch.distributed as dist
 
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks, resumed_version
+from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_ray")]  # no_ray: tests/support/engine_control.py
 
 
-class RecordingControl:
+class RecordingControl(StoreControl):
     """EngineControl of a one-worker engine whose worker answers `resume_ok` to ws_resume."""
 
     def __init__(self, resume_ok: bool = True) -> None:
-        self.calls: list[tuple[str, Any]] = []
+        super().__init__()
         self.resume_ok = resume_ok
-        self.store: dist.TCPStore | None = None
-        self.prefix = ""
 
     def world_size(self) -> int:
         return 1
 
     def init(self, info: dict[str, Any]) -> None:
-        self.store = dist.TCPStore(info["store_host"], info["store_port"], is_master=False)
-        self.prefix = info["prefix"]
         meta = SimpleNamespace(coord=SimpleNamespace(replica=info["replica"]))
-        self.store.set(init_key(self.prefix, 0), pickle.dumps(("ok", meta)))
-
-    def start(self) -> None:
-        self.calls.append(("start", None))
+        self._connect(info).set(init_key(self.prefix, 0), pickle.dumps(("ok", meta)))
 
     def update(self, info: dict[str, Any]) -> None:
         self.calls.append(("update", info["method"]))
@@ -50,30 +42,8 @@ class RecordingControl:
         answer = self.resume_ok if info["method"] == "ws_resume" else True
         self.store.set(answer_key(self.prefix, info["seq"], 0), pickle.dumps(("ok", answer)))
 
-    def finish(self, version: str | None) -> None:
-        self.calls.append(("finish", version))
 
-    def pause(self, mode: str) -> None:
-        self.calls.append(("pause", mode))
-
-    def resume(self) -> None:
-        self.calls.append(("resume", None))
-
-    def version(self) -> str:
-        return ""
-
-    def alive(self) -> bool:
-        return True
-
-
-@pytest.fixture
-def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The proxy outside a Ray actor: no runtime context (and no local Ray started for one)."""
-    ctx = SimpleNamespace(get_actor_name=lambda: None, get_actor_id=lambda: None)
-    monkeypatch.setattr(ray, "get_runtime_context", lambda: ctx)
-
-
-def test_resume_labels_the_version_in_its_own_session(no_ray: None) -> None:
+def test_resume_labels_the_version_in_its_own_session() -> None:
     control = RecordingControl()
     proxy = VllmEngineRanks(control, host="127.0.0.1")
     assert proxy.ws_rank_call(0, "ws_pause", ()) is True
@@ -85,7 +55,7 @@ def test_resume_labels_the_version_in_its_own_session(no_ray: None) -> None:
     assert len(proxy.pause_seconds()) == 1 and proxy.ws_pause_seconds() is not None
 
 
-def test_a_rank_that_does_not_resume_keeps_the_label_and_the_pause(no_ray: None) -> None:
+def test_a_rank_that_does_not_resume_keeps_the_label_and_the_pause() -> None:
     control = RecordingControl(resume_ok=False)
     proxy = VllmEngineRanks(control, host="127.0.0.1")
     proxy.ws_rank_call(0, "ws_pause", ())
@@ -102,7 +72,7 @@ def test_resumed_version_needs_every_rank_ok() -> None:
     assert resumed_version(1, {0: ("v1",)}, [("error", RuntimeError("x"))]) is None
 
 
-def test_a_rank_of_unknown_version_resumes_and_keeps_the_engines_label(no_ray: None) -> None:
+def test_a_rank_of_unknown_version_resumes_and_keeps_the_engines_label() -> None:
     # A proxy attached to a server another proxy synced sets its rank up on version '' (unknown):
     # the recovery's resume must resume generation but not label the engine '' (the label vLLM
     # reports would otherwise be lost; tests/engines/test_vllm_server_faults.py).

@@ -6,8 +6,6 @@ MTP layers, and the converter's names for them. Pure (no Megatron-Core import)."
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -20,11 +18,12 @@ from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.engines.megatron_convert import to_hf
 from sync_runtime.errors import LayoutError
-from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.planner import PlannerConfig, plan_sync
 from sync_runtime.planner.simulate import random_canonical, simulate
 from sync_runtime.runtime.discovery import Participant, check_side
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.schema.crd import DeploymentRef, Parallelism
+from sync_runtime.testing.megatron_mtp import sides
 
 pytestmark = pytest.mark.unit
 
@@ -147,22 +146,13 @@ def test_a_megatron_destination_of_the_mtp_part_is_refused_in_one_line() -> None
     assert get_layout("megatron").shard(PLAIN, ParallelSpec(tp=1), coord).tensors  # without MTP: as before
 
 
-def _sides(src: str, dst: str) -> tuple[SideSpec, SideSpec]:
-    s, d = ParallelSpec.parse(src), ParallelSpec.parse(dst)
-    dst_coords = [dataclasses.replace(c, node=c.node + "-dst") for c in enumerate_ranks(d, Role.DESTINATION)]
-    return (
-        SideSpec("megatron", s, tuple(enumerate_ranks(s, Role.SOURCE))),
-        SideSpec("hf", d, tuple(dst_coords), mtp=True),
-    )
-
-
 Result = tuple[dict[int, dict[str, np.ndarray]], dict[int, dict[str, np.ndarray]], dict[int, RankShard]]
 
 
 def _simulate(src: str, dst: str, canon: dict[str, np.ndarray], scramble: str | None = None) -> Result:
     """Run the plan on the sources' `materialize(shard, canon)`; `scramble`: a source local
     tensor whose bits are inverted on every rank holding it. (destination arrays, write counts, shards)."""
-    source, destination = _sides(src, dst)
+    source, destination = sides(src, dst)
     plan = plan_sync(PLAIN, source, [destination], PlannerConfig(bucket_bytes=32 * 1024))
     shards = {}
     for rank, coord in enumerate((*source.coords, *destination.coords)):

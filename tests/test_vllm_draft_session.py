@@ -18,8 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-import ray
-import torch.distributed as dist
 
 from sync_runtime.engines import vllm_actor
 from sync_runtime.engines.vllm_drafter import DRAFTER_PENDING
@@ -27,8 +25,9 @@ from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks
 from sync_runtime.errors import DestinationError, DiscoveryError
+from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_ray")]  # no_ray: tests/support/engine_control.py
 
 NO_DRAFTER = "Draft model weight update requested, but no draft model is configured."
 """vLLM 0.32's refusal (gpu_worker._set_draft_weight_update_target) of an engine without one."""
@@ -38,26 +37,23 @@ def _meta() -> SimpleNamespace:
     return SimpleNamespace(coord=SimpleNamespace(replica=0))
 
 
-class DraftControl:
+class DraftControl(StoreControl):
     """EngineControl of a `world`-worker engine; its workers wait for their drafter at init for
     each True of `pending`, and take `ws_setup` only inside a draft session."""
 
     def __init__(self, pending: tuple[bool, ...] = (True, True), refuse_draft: str = "") -> None:
+        super().__init__()
         self.pending, self.refuse_draft = pending, refuse_draft
-        self.calls: list[tuple[str, Any]] = []
-        self.store: dist.TCPStore | None = None
-        self.prefix = ""
         self.session: str | None = None
 
     def world_size(self) -> int:
         return len(self.pending)
 
     def init(self, info: dict[str, Any]) -> None:
-        self.store = dist.TCPStore(info["store_host"], info["store_port"], is_master=False)
-        self.prefix = info["prefix"]
+        store = self._connect(info)
         for i, waits in enumerate(self.pending):
             answer = DRAFTER_PENDING if waits else ("ok", _meta())
-            self.store.set(init_key(self.prefix, i), pickle.dumps(answer))
+            store.set(init_key(self.prefix, i), pickle.dumps(answer))
 
     def start(self) -> None:
         self.calls.append(("start", None))
@@ -85,27 +81,8 @@ class DraftControl:
         self.calls.append(("finish", version))
         self.session = None
 
-    def pause(self, mode: str) -> None:
-        self.calls.append(("pause", mode))
 
-    def resume(self) -> None:
-        self.calls.append(("resume", None))
-
-    def version(self) -> str:
-        return ""
-
-    def alive(self) -> bool:
-        return True
-
-
-@pytest.fixture
-def no_ray(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The proxy outside a Ray actor: no runtime context (and no local Ray started for one)."""
-    ctx = SimpleNamespace(get_actor_name=lambda: None, get_actor_id=lambda: None)
-    monkeypatch.setattr(ray, "get_runtime_context", lambda: ctx)
-
-
-def test_an_mtp_engine_is_set_up_in_one_draft_session_then_syncs_in_target_sessions(no_ray: None) -> None:
+def test_an_mtp_engine_is_set_up_in_one_draft_session_then_syncs_in_target_sessions() -> None:
     control = DraftControl()
     proxy = VllmEngineRanks(control, host="127.0.0.1")
     assert control.calls == [("start_draft", None), ("update", "ws_setup"), ("finish", None)]
@@ -114,15 +91,13 @@ def test_an_mtp_engine_is_set_up_in_one_draft_session_then_syncs_in_target_sessi
     assert control.calls == [("start", None), ("update", "ws_meta"), ("finish", None)]
 
 
-def test_an_engine_without_a_drafter_opens_no_draft_session(no_ray: None) -> None:
+def test_an_engine_without_a_drafter_opens_no_draft_session() -> None:
     control = DraftControl(pending=(False, False))
     VllmEngineRanks(control, host="127.0.0.1")
     assert control.calls == []  # set up at init, as before
 
 
-def test_a_setup_outside_a_draft_session_is_refused_by_the_worker(
-    no_ray: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_setup_outside_a_draft_session_is_refused_by_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     # Negative control of the sequencing: were ws_setup sent in a target session, the worker's
     # refusal reaches the caller (the fake answers as the backend does).
     control = DraftControl()
@@ -131,7 +106,7 @@ def test_a_setup_outside_a_draft_session_is_refused_by_the_worker(
         VllmEngineRanks(control, host="127.0.0.1")
 
 
-def test_a_refused_draft_session_refuses_the_engine_in_one_line(no_ray: None) -> None:
+def test_a_refused_draft_session_refuses_the_engine_in_one_line() -> None:
     control = DraftControl(refuse_draft=f"Traceback ...\nRuntimeError: {NO_DRAFTER}")
     with pytest.raises(DestinationError) as e:
         VllmEngineRanks(control, host="127.0.0.1")
@@ -140,12 +115,12 @@ def test_a_refused_draft_session_refuses_the_engine_in_one_line(no_ray: None) ->
     assert control.calls == [("start_draft", None)]  # nothing sent, no session left open
 
 
-def test_workers_disagreeing_on_a_drafter_are_refused(no_ray: None) -> None:
+def test_workers_disagreeing_on_a_drafter_are_refused() -> None:
     with pytest.raises(DiscoveryError, match="1 of 2 wait for an MTP drafter"):
         VllmEngineRanks(DraftControl(pending=(True, False)), host="127.0.0.1")
 
 
-def test_a_draft_session_left_open_is_closed_and_reopened(no_ray: None) -> None:
+def test_a_draft_session_left_open_is_closed_and_reopened() -> None:
     control = DraftControl()
     opened = control.start_draft
 
