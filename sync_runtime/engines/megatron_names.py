@@ -57,23 +57,24 @@ def layer_numbers(chunk: torch.nn.Module) -> list[int]:
 def expert_ids(chunk: torch.nn.Module) -> dict[int, list[int]]:
     """Global expert ids of every MoE layer's local experts, by local layer index j."""
     decoder = getattr(chunk, "decoder", None)
-    out: dict[int, list[int]] = {}
-    for j, layer in enumerate(decoder.layers if decoder is not None else []):
-        ids = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
-        if ids is not None:
-            out[j] = [int(e) for e in ids]
-    return out
+    return _local_expert_ids(decoder.layers if decoder is not None else [])
 
 
 def mtp_expert_ids(chunk: torch.nn.Module) -> dict[int, list[int]]:
     """Global expert ids of every MoE MTP layer's local experts, by MTP layer index i."""
     block = getattr(chunk, "mtp", None)
+    layers = block.layers if block is not None else []
+    return _local_expert_ids([getattr(layer, "mtp_model_layer", None) for layer in layers])
+
+
+def _local_expert_ids(layers: Sequence[torch.nn.Module | None]) -> dict[int, list[int]]:
+    """By index in `layers`: the global ids of a MoE layer's local experts (its MLP's
+    `local_expert_indices`); layers without experts are left out."""
     out: dict[int, list[int]] = {}
-    for i, layer in enumerate(block.layers if block is not None else []):
-        inner = getattr(layer, "mtp_model_layer", None)
-        ids = getattr(getattr(inner, "mlp", None), "local_expert_indices", None)
+    for j, layer in enumerate(layers):
+        ids = getattr(getattr(layer, "mlp", None), "local_expert_indices", None)
         if ids is not None:
-            out[i] = [int(e) for e in ids]
+            out[j] = [int(e) for e in ids]
     return out
 
 
