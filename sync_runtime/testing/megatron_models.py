@@ -156,7 +156,9 @@ def padded_vocab(config: Mapping[str, Any], tp: int) -> int:
     return round_up(model_dims(dict(config)).vocab, VOCAB_MULTIPLE_PER_TP * tp)
 
 
-def _layer_spec(d: ModelDims, tconfig: Any, vp_stage: int | None) -> Any:
+def layer_spec(d: ModelDims, tconfig: Any, vp_stage: int | None) -> Any:
+    """The local (no Transformer Engine) layer spec of the model `d`, runnable on CPU (MLA's core
+    attention replaced: megatron_cpu)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 
     if not (d.moe_layers or d.mla):
@@ -208,7 +210,7 @@ def build_chunks(
             chunks.append(
                 GPTModel(
                     config=tconfig,
-                    transformer_layer_spec=_layer_spec(d, tconfig, vp_stage),
+                    transformer_layer_spec=layer_spec(d, tconfig, vp_stage),
                     vocab_size=vocab,
                     max_sequence_length=64,
                     pre_process=pp_rank == 0 and c == 0,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.base import LocalTensorMeta
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest
+from sync_runtime.core.models import build_manifest, model_dims
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.engines import megatron_cpu
@@ -55,18 +55,15 @@ def build_model(config: Mapping[str, Any], spec: ParallelSpec) -> torch.nn.Modul
     1-D weights randomised (a norm mix-up would show)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
-    from sync_runtime.testing.megatron_models import init_parallel, megatron_config, padded_vocab
+    from sync_runtime.testing.megatron_models import init_parallel, layer_spec, megatron_config, padded_vocab
 
     init_parallel(spec, SEED)
     stage, last = ps.get_pipeline_model_parallel_rank(), spec.pp - 1
     n = int(config["num_nextn_predict_layers"])
     tconfig = dataclasses.replace(megatron_config(config, spec), mtp_num_layers=n)
-    block = get_gpt_decoder_block_spec(tconfig, use_transformer_engine=False, normalization="RMSNorm")
-    attention = megatron_cpu.mla_core_attention()  # the local spec's MLA core attention on CPU
-    for layer in block.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = attention
+    block = layer_spec(model_dims(dict(config)), tconfig, None)  # MLA: a decoder block spec
     # pp > 1: the MTP stage's embedding copy is all-reduced from the first stage after `.cuda()`.
     with megatron_cpu.tensor_cuda_noop(spec.pp > 1):
         model = GPTModel(
