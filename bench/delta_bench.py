@@ -5,7 +5,9 @@ This process trains a Megatron-Core GPT model (local spec, TP 1, CPU) whose para
 scale) with torch Adam at an RL-like learning rate; after each step the bf16 copy of every
 parameter is what a sync moves (the model params Megatron casts from the main weights). Two
 rank processes (gloo, loopback: one source, one destination replica) then sync each version
-twice: as a delta from the previous one, and in full; both must leave the same bytes.
+twice: as a delta from the previous one, and in full; both must leave the same bytes. Both
+ranks start each timed sync together (a store barrier), so neither one's bookkeeping between
+syncs (the destination hashes its committed tensors) is counted as the other's wire wait.
 
 Prints per step: changed fraction, wire bytes of the delta vs the full sync, wall and CPU
 seconds of each (the slowest rank), the source's kept-copy write, peak RSS per rank; and the
@@ -14,11 +16,13 @@ the same encoder gives at 3% on bf16, against the floor of a full sync.
 
     make bench-delta
     make bench-delta ARGS="--steps 3 --lr 1e-6 --hidden 1024 --layers 4"
+    make bench-delta ARGS="--phases --profile /tmp/delta-prof"   # where each rank's time goes
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import hashlib
 import resource
@@ -36,7 +40,7 @@ from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.testing.local_ranks import LocalWorld, RankContext
-from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
+from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan, spans
 from sync_runtime.transfer import delta as delta_codec
 from sync_runtime.transfer.delta_wire import KeptBits
 
@@ -79,9 +83,15 @@ def train(config: dict[str, Any], steps: int, lr: float) -> list[dict[str, torch
 
 
 def sync_rank(
-    ctx: RankContext, plan: Any, versions: list[dict[str, torch.Tensor]] | None, dst: dict, steps: int
+    ctx: RankContext,
+    plan: Any,
+    versions: list[dict[str, torch.Tensor]] | None,
+    dst: dict,
+    steps: int,
+    profile_dir: str | None = None,
 ) -> list:
-    """Source (rank 0, `versions`) or destination (rank 1, `dst`: its initial tensors)."""
+    """Source (rank 0, `versions`) or destination (rank 1, `dst`: its initial tensors).
+    `profile_dir`: write each sync's cProfile stats there (rank{r}-{sync}.prof)."""
     group = SyncGroup.connect(
         store_host=ctx.store_host, store_port=ctx.store_port, rank=ctx.rank, world_size=2,
         backend="gloo", timeout_s=300.0, group_name=ctx.group_name,
@@ -96,10 +106,20 @@ def sync_rank(
             if dest is not None:
                 dest.begin(label)
             cfg = TransferConfig(timeout_s=300.0, delta_base=tuple(delta_base.items()), keep_sent=True)
+            _barrier(group, label)  # neither rank's bookkeeping of the last sync counts in this one
+            spans.take()
+            profiler = cProfile.Profile() if profile_dir else None
             wall, cpu = time.perf_counter(), time.process_time()
+            if profiler is not None:
+                profiler.enable()
             result = run_rank_plan(group, plan.for_rank(ctx.rank), sources=sources, destination=dest,
                                    config=cfg, kept=kept if sources is not None else None)  # fmt: skip
+            if profiler is not None:
+                profiler.disable()
             wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            phases = spans.take()
+            if profiler is not None:
+                profiler.dump_stats(f"{profile_dir}/rank{ctx.rank}-{label}.prof")
             assert result.ok, result.failure
             keep_s = 0.0
             if sources is not None:
@@ -115,6 +135,7 @@ def sync_rank(
                 digest = h.hexdigest()
             base = label
             row = {"step": k, "kind": kind, "wall": wall, "cpu": cpu, "keep": keep_s, "digest": digest}
+            row["phases"] = {name: tally["wall_s"] for name, tally in phases.items()}
             row.update(wire=result.wire_bytes, full=result.send_bytes, changed=result.delta_changed)
             row.update(
                 elements=result.delta_elements,
@@ -123,6 +144,19 @@ def sync_rank(
             out.append(row)
     group.close()
     return out
+
+
+def _barrier(group: SyncGroup, label: str) -> None:
+    """Both ranks start the timed sync together (the destination hashes its committed tensors
+    after each sync: without this the source's wire wait would count that)."""
+    key = f"bench/{label}"
+    if group.store.add(key, 1) == 2:
+        group.store.set(f"{key}/go", "1")
+    group.store.wait([f"{key}/go"])
+
+
+def _phases(row: dict) -> str:
+    return ", ".join(f"{name.removeprefix('transfer.')} {wall:.3f}" for name, wall in row["phases"].items())
 
 
 def _rss_mb() -> float:
@@ -171,6 +205,8 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--phases", action="store_true", help="print each sync's phases (wall s) per rank")
+    parser.add_argument("--profile", metavar="DIR", help="write each rank's cProfile stats per sync to DIR")
     args = parser.parse_args()
     torch.set_num_threads(1)
     config = model_config(args.hidden, args.layers, args.vocab)
@@ -195,7 +231,12 @@ def main() -> int:
     dst = {t.name: torch.zeros(t.shape, dtype=torch.bfloat16) for t in dshard.tensors}
     with LocalWorld(2) as world:
         outcomes = world.run(
-            sync_rank, [(plan, versions, {}, len(versions)), (plan, None, dst, len(versions))], timeout_s=1800
+            sync_rank,
+            [
+                (plan, versions, {}, len(versions), args.profile),
+                (plan, None, dst, len(versions), args.profile),
+            ],
+            timeout_s=1800,
         )
     for o in outcomes:
         if o.error or o.exitcode is not None:
@@ -210,6 +251,10 @@ def main() -> int:
         cpu, name = f"{s['cpu']:6.3f}/{d['cpu']:<6.3f}", s["kind"] + str(s["step"])
         print(f"{name:<10} {s['wire'] / 1e6:9.2f} {s['full'] / 1e6:9.2f} {s['wire'] / s['full']:9.4f} "
               f"{changed:>8} {wall:7.3f} {cpu:>14} {s['keep']:7.3f}")  # fmt: skip
+    if args.phases:
+        for s, d in zip(src, dest, strict=True):
+            name = s["kind"] + str(s["step"])
+            print(f"{name:<10} phases, wall s: source {_phases(s)}; destination {_phases(d)}")
     for k in range(1, len(versions)):
         pair = [d for d in dest if d["step"] == k]
         same = pair[0]["digest"] == pair[1]["digest"]

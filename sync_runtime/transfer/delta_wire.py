@@ -40,6 +40,7 @@ from sync_runtime.planner.digest import sync_digest
 from sync_runtime.transfer import delta
 from sync_runtime.transfer.checksum import raw_bytes
 from sync_runtime.transfer.config import RankResult
+from sync_runtime.transfer.spans import span
 
 FORMAT = "delta1"
 """Version of the delta wire format; part of what the group agrees on."""
@@ -127,6 +128,7 @@ class DeltaIO:
     def applies(self, dst_rank: int) -> bool:
         return dst_rank in self.base_for
 
+    @span("transfer.delta_encode")
     def encode(self, t: Transfer, dst_rank: int, new: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
         """The message for transfer `t` of tensor `source` whose new bytes are `new` (flat uint8).
         Dense unless the kept copy is of the receiver's base and of the same shape and dtype (a
@@ -149,6 +151,7 @@ class DeltaIO:
         self.stats.wire_bytes += enc.nbytes
         return torch.from_numpy(enc.message)
 
+    @span("transfer.delta_decode")
     def decode(self, t: Transfer, message: torch.Tensor, region: torch.Tensor) -> bool:
         """Rebuild `region` (staging) from the live base and `message`; False for a message that
         does not fit the base (the caller fails the transfer's checksum)."""
