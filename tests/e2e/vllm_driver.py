@@ -34,7 +34,7 @@ import ray
 
 from sync_runtime.core.topology import Role
 from sync_runtime.testing.cluster import DemoSetup, create_participants, train_step
-from tests.support.vllm_deploy import engine_env, generations, kernel_checksums, stop_replicas
+from tests.support.vllm_deploy import generations, kernel_checksums, replica_env, stop_replicas
 
 ENGINE_READY_S = 500.0
 """vLLM start on a loaded 2-core machine (the server pod and 0-2 references starting together)."""
@@ -43,7 +43,7 @@ ENGINE_READY_S = 500.0
 def _reference(name: str, namespace: str, model_dir: str, tp: int) -> Any:
     from sync_runtime.engines.vllm_replica import VllmReplica, replica_options
 
-    options = replica_options(name, namespace, tp, engine_env(tp))
+    options = replica_options(name, namespace, tp, replica_env(tp))
     return (
         ray.remote(VllmReplica)
         .options(**options)

@@ -45,6 +45,7 @@ __all__ = [
     "engine_env",
     "generations",
     "kernel_checksums",
+    "replica_env",
     "rows_equal",
     "start_replica",
     "stop_replicas",
@@ -58,8 +59,12 @@ def engine_env(tp: int) -> dict[str, str]:
     return _deploy.engine_env(tp, pythonpath=(str(ROOT), str(ROOT / "operator")))
 
 
+def replica_env(tp: int) -> dict[str, str]:
+    return _deploy.replica_env(tp, pythonpath=(str(ROOT), str(ROOT / "operator")))
+
+
 def start_replica(name: str, namespace: str, model_dir: str, *, tp: int, **kw: Any) -> Any:
-    return _deploy.start_replica(name, namespace, model_dir, tp=tp, env=engine_env(tp), **kw)
+    return _deploy.start_replica(name, namespace, model_dir, tp=tp, env=replica_env(tp), **kw)
 
 
 @dataclass
