@@ -36,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.local_ranks import LocalWorld, RankContext
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan, spans
 from sync_runtime.transfer import delta as delta_codec

@@ -40,10 +40,10 @@ import psutil
 import ray
 
 from bench.vllm_load_ext import EXTENSION
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import Role
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.crd import Transport
 from sync_runtime.schema.report import NullReporter, SyncReport, SyncResult
 from sync_runtime.testing.cluster import (

@@ -41,11 +41,11 @@ from bench.vllm_bench import BENCH_CONFIG
 from bench.vllm_server_breakdown import SpanProbe
 from bench.vllm_server_breakdown import lines as breakdown_lines
 from bench.vllm_server_breakdown import summarize as breakdown
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import Role
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.crd import Transport
 from sync_runtime.schema.report import NullReporter, SyncReport, SyncResult
 from sync_runtime.testing.cluster import (

@@ -10,8 +10,8 @@ from sync_runtime.cli import main as cli
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import build_manifest, load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
-from sync_runtime.engines.hf_meta import meta_manifest
 from sync_runtime.errors import LayoutError, ModelConfigError
+from sync_runtime.runtime.hf_manifest import meta_state
 from tests.test_layouts import GRID as DENSE_GRID
 from tests.test_layouts import assert_round_trip
 from tests.test_layouts_moe_mla import GRID
@@ -65,8 +65,8 @@ def test_llama_mlp_bias_round_trip(layout: str, spec: str) -> None:
 def test_llama_mlp_bias_names_and_transformers() -> None:
     config = _llama_mlp_bias()
     m = build_manifest(config)
-    meta = meta_manifest(config)
-    assert {t.name: t.shape for t in m.tensors} == {n: s for n, s, _ in meta.tensors}
+    meta = meta_state(config)
+    assert {t.name: t.shape for t in m.tensors} == {n: s for n, s, _ in meta.checkpoint_form(m.family)}
     assert m.nbytes == meta.parameter_count * 2
     i = config["intermediate_size"]
     vllm = get_layout("vllm").shard(m, ParallelSpec(tp=2), RankCoord(role=Role.DESTINATION, tp_rank=1))
@@ -174,8 +174,8 @@ def test_gpt_oss_manifest_equals_transformers() -> None:
     # Fused experts as the checkpoint stores them (not unfused), sinks, o_proj and router biases.
     for preset in ("tiny-gpt-oss", "gpt-oss-20b"):
         config = load_model_config(preset)
-        m, meta = build_manifest(config), meta_manifest(config)
-        assert {t.name: t.shape for t in m.tensors} == {n: s for n, s, _ in meta.tensors}
+        m, meta = build_manifest(config), meta_state(config)
+        assert {t.name: t.shape for t in m.tensors} == {n: s for n, s, _ in meta.checkpoint_form(m.family)}
         assert m.nbytes == meta.parameter_count * 2
         assert {t.dtype for t in m.tensors} == {"bfloat16"}
     assert meta.parameter_count == 20_914_757_184  # gpt-oss-20b, transformers' own count

@@ -24,11 +24,12 @@ from sync_runtime.cli.checks import InputError, check_demo, check_run
 from sync_runtime.cli.sides import destination_sides
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.manifest import MTP_PART, Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import PlanError, TopologyError, WeightSyncError
 from sync_runtime.planner import MiB, PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 PROG = "weightsync"
 SIMULATE_MAX_BYTES = 256 * MiB

@@ -33,11 +33,12 @@ from sync_runtime.core.layouts._rules import round_up
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.layouts.megatron import NAME, TE_NAME, VOCAB_MULTIPLE_PER_TP, chunk_ranges
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest, model_dims, model_family
+from sync_runtime.core.models import TENSOR_DTYPES_KEY, model_dims, model_family
 from sync_runtime.core.models.config import mtp_layer_count
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines.megatron_names import LiveTensor, layer_numbers, live_tensors, unwrap
 from sync_runtime.errors import LayoutError
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import WeightSyncParticipant, dtype_name
 
 LAYOUTS_BY_SPEC = (NAME, TE_NAME)

@@ -28,11 +28,12 @@ import ray
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.manifest import Manifest, cast_defined
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.models.config import model_dims
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError, describe_unexpected
 from sync_runtime.planner import SideSpec
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.mtp_side import ReportedRank, side_holds_mtp
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.runtime.registry import Registration, actor_id, forget_dead, registered

@@ -16,9 +16,9 @@ from typing import Any
 import ray
 
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.runtime.discovery import Participant, find_actors, gather
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.crd import DeploymentRef, Parallelism, Transport, WeightSyncSpec
 from sync_runtime.testing.weights import DemoDestination, DemoSource, expected_sha256, model_config
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import WeightSyncParticipant
 from sync_runtime.testing.weights import bits_to_torch, model_config, shard_arrays
 

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord
 from sync_runtime.engines import megatron_cpu
 from sync_runtime.engines.megatron import MegatronSourceParticipant
 from sync_runtime.engines.megatron_convert import ExportedShard, export_shards
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.actors import VllmDestinationActor
 
 

@@ -23,10 +23,10 @@ import torch
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.materialize import materialize
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.engines.megatron_convert import gather_full, to_hf
 from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.crd import Transport
 from sync_runtime.schema.report import SyncReport, SyncResult
 from sync_runtime.testing.cluster import (

@@ -21,11 +21,12 @@ import torch.distributed as dist
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.base import LocalTensorMeta
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest, model_dims
+from sync_runtime.core.models import model_dims
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.engines import megatron_cpu
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import dtype_name
 from sync_runtime.testing.local_ranks import RankContext
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan

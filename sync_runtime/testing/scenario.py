@@ -19,10 +19,11 @@ from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.weights import reference_weights
 
 _SIGNED = {np.dtype(np.uint16): np.int16, np.dtype(np.uint32): np.int32, np.dtype(np.uint8): np.uint8}

@@ -18,8 +18,9 @@ import torch
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.manifest import Manifest, TensorMeta
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import tensor_sha256
 from sync_runtime.testing.actors import MegatronSourceActor, VllmDestinationActor
 

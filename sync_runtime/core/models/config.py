@@ -1,7 +1,8 @@
 """Reading a model's config.json into typed dimensions (design §3).
 
-`ModelDims` is the one place that interprets config fields; the manifest builders and the
-layouts both read it, so a field is never parsed twice with different defaults.
+`ModelDims` is the one place that interprets config fields for the layouts' sharding rules (and
+the manifest's layout tables); the tensors themselves come from transformers' model class
+(runtime/hf_manifest.py), and a config whose fields the rules do not cover is refused here.
 """
 
 from __future__ import annotations
