@@ -4,6 +4,9 @@ tables (core/models/hf_layout.py) that turn transformers' state into the checkpo
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -20,6 +23,7 @@ from sync_runtime.core.models.hf_layout import (
     unfuse,
 )
 from sync_runtime.errors import ModelConfigError
+from sync_runtime.runtime import hf_manifest
 from sync_runtime.runtime.hf_manifest import build_manifest, meta_state
 
 pytestmark = pytest.mark.unit
@@ -70,6 +74,29 @@ def test_state_is_cached_per_config_and_shared_by_weightsync_keys() -> None:
         build_manifest(config | {"weightsync_tensor_dtypes": {name: "float32"}}).by_name()[name].dtype
         == "float32"
     )
+
+
+def test_state_cached_on_disk_per_transformers_version(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("WEIGHTSYNC_CACHE", str(tmp_path))
+    monkeypatch.setattr(hf_manifest, "_CACHE", type(hf_manifest._CACHE)())
+    config = load_model_config("tiny-qwen3-moe")
+    built = meta_state(config)
+    files = list(tmp_path.glob("hf-state/transformers-*/*.json"))
+    assert len(files) == 1
+    hf_manifest._CACHE.clear()
+    assert meta_state(config) == built  # read back from the file
+    files[0].write_text("{torn")  # negative control: a torn file is read again from transformers
+    hf_manifest._CACHE.clear()
+    assert meta_state(config) == built and json.loads(files[0].read_text())["state"]
+    # A planner process that finds the file imports neither transformers nor torch.
+    probe = (
+        "import json, sys; from sync_runtime.runtime.hf_manifest import build_manifest; "
+        f"m = build_manifest(json.loads({json.dumps(json.dumps(config))})); "
+        "print(len(m.tensors), 'transformers' in sys.modules, 'torch' in sys.modules)"
+    )
+    env = {**os.environ, "WEIGHTSYNC_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [str(len(build_manifest(config).tensors)), "False", "False"], out.stderr
 
 
 def test_unknown_model_refused_in_one_line() -> None:

@@ -8,8 +8,10 @@ checkpoint drops them. core/models/hf_layout.py turns that plain data into the c
 the one place that builds the model, at the lowest layer that may import torch and that discovery
 (`weightsync plan`, `run`) reaches.
 
-The state of a config is cached by the digest of the fields transformers reads (the meta build
-costs ~0.1-1 s per config; unit tests build the same tiny configs hundreds of times).
+The state of a config is cached by the digest of the fields transformers reads: in memory (unit
+tests build the same tiny configs hundreds of times) and on disk per transformers version
+(importing torch and transformers and the model's module costs ~10 s on a busy machine, against
+~1 s for the rest of `weightsync plan`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from sync_runtime.core.manifest import Manifest
@@ -70,6 +75,9 @@ def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "model_type" and not k.startswith("weightsync_")}
 
 
+_VALIDATORS_LOCK = threading.Lock()
+
+
 def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
     from transformers import CONFIG_MAPPING
 
@@ -82,12 +90,13 @@ def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
     # transformers 5.2x checks hidden_size % num_attention_heads == 0, the rule by which it derives
     # head_dim when none is given; with head_dim explicit no weight depends on it (vLLM and
     # Megatron-Core build such models), so build the config without that one check.
-    validators = config_class.__class_validators__
-    config_class.__class_validators__ = [v for v in validators if v.__name__ != "validate_architecture"]
-    try:
-        return config_class(**fields)
-    finally:
-        config_class.__class_validators__ = validators
+    with _VALIDATORS_LOCK:  # the class attribute is shared: one such build at a time
+        validators = config_class.__class_validators__
+        config_class.__class_validators__ = [v for v in validators if v.__name__ != "validate_architecture"]
+        try:
+            return config_class(**fields)
+        finally:
+            config_class.__class_validators__ = validators
 
 
 def _build_meta(config: dict[str, Any], model_type: str) -> Any:
@@ -127,24 +136,80 @@ _MAX_CACHED = 64
 _LOCK = threading.Lock()
 
 
-def meta_state(config: dict[str, Any]) -> MetaState:
-    """transformers' tensors of `config` (cached by the digest of the fields transformers reads;
-    weightsync_* keys do not change them); ModelConfigError, in one line, for a config
-    transformers does not know or cannot build."""
+def _key(config: dict[str, Any]) -> str:
+    # Only the fields transformers reads decide the state (weightsync_* keys do not).
     fields = _hf_fields(config) | {"model_type": config.get("model_type")}
     try:
-        key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     except (TypeError, ValueError) as e:
         raise ModelConfigError(f"model config is not plain JSON data: {e}") from e
+
+
+def _disk_path(key: str) -> Path | None:
+    """The on-disk copy of a config's state, per transformers version: `weightsync plan` then
+    imports neither torch nor transformers (~10 s) for a config it has planned before."""
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        return None
+    base = Path(os.environ.get("WEIGHTSYNC_CACHE") or Path.home() / ".cache" / "weightsync")
+    return base.expanduser() / "hf-state" / f"transformers-{version}" / f"{key}.json"
+
+
+def _load(path: Path | None) -> MetaState | None:
+    if path is None or not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+        state = tuple((str(n), tuple(int(x) for x in shape), str(d)) for n, shape, d in raw["state"])
+        tied = tuple((str(a), str(b)) for a, b in raw["tied"])
+        return MetaState(str(raw["model_class"]), state, tied, int(raw["parameter_count"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a torn or foreign file: read transformers again and rewrite it
+
+
+def _store(path: Path | None, read: MetaState) -> None:
+    if path is None:
+        return
+    body = {"model_class": read.model_class, "state": read.state, "tied": read.tied}
+    body["parameter_count"] = read.parameter_count
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(path)  # atomic: concurrent planners never read half a file
+    except OSError:
+        pass  # a read-only cache costs time, never correctness
+
+
+def _cached(key: str) -> MetaState | None:
     with _LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
             return _CACHE[key]
-    read = _read(config)
+    read = _load(_disk_path(key))
+    if read is not None:
+        _remember(key, read)
+    return read
+
+
+def _remember(key: str, read: MetaState) -> None:
     with _LOCK:
         _CACHE[key] = read
         while len(_CACHE) > _MAX_CACHED:
             _CACHE.popitem(last=False)
+
+
+def meta_state(config: dict[str, Any]) -> MetaState:
+    """transformers' tensors of `config`, cached by the digest of the fields transformers reads (in
+    memory, and on disk per transformers version); ModelConfigError, in one line, for a config
+    transformers does not know or cannot build."""
+    key = _key(config)
+    read = _cached(key)
+    if read is None:
+        read = _read(config)
+        _store(_disk_path(key), read)
+        _remember(key, read)
     return read
 
 
@@ -156,6 +221,9 @@ def build_manifest(config: dict[str, Any]) -> Manifest:
     """
     refuse_quantized(config)
     config_dtype(config, DTYPES)  # ours, in one line, before transformers refuses it its own way
-    hf_model_type(config)  # a model transformers does not know is refused as that, first
+    cached = _cached(_key(config))
+    if cached is None:
+        hf_model_type(config)  # a model transformers does not know is refused as that, first
     dims = model_dims(config)  # the family's layout rules: refuses fields they do not cover
-    return manifest_of(config, dims, meta_state(config).state, mtp_layers(config))
+    state = cached if cached is not None else meta_state(config)
+    return manifest_of(config, dims, state.state, mtp_layers(config))
