@@ -106,6 +106,15 @@ def test_unknown_model_refused_in_one_line() -> None:
     assert "not_a_model" in str(info.value) and "transformers" in str(info.value)
 
 
+def test_missing_transformers_is_one_line(monkeypatch) -> None:
+    monkeypatch.setattr(hf_manifest, "_CACHE", type(hf_manifest._CACHE)())
+    monkeypatch.setattr(hf_manifest, "_disk_path", lambda key: None)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what an install without it does
+    with pytest.raises(ModelConfigError, match="needs transformers") as info:
+        build_manifest(load_model_config("tiny-llama"))
+    assert "\n" not in str(info.value)
+
+
 def test_plan_refuses_unknown_model_with_exit_2_in_one_line(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"model_type": "not_a_model", "architectures": ["NotAModelForCausalLM"]}))

@@ -55,8 +55,11 @@ class MetaState:
 def hf_model_type(config: dict[str, Any]) -> str:
     """The transformers model type of `config`: its `model_type`, else the one whose causal-LM
     class is `architectures[0]` (Kimi-K2 says `kimi_k2` but is a DeepseekV3ForCausalLM)."""
-    from transformers import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    try:
+        from transformers import CONFIG_MAPPING
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as e:  # an install without it: say so in one line, not a traceback
+        raise ModelConfigError(f"reading a model's tensors needs transformers>=5 ({e})") from e
 
     model_type = config.get("model_type")
     if model_type in CONFIG_MAPPING and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
