@@ -1,6 +1,8 @@
 """A vLLM engine as a user runs it in Ray: an actor holding `vllm.LLM` (tests/engines/test_vllm_plugin.py)
 or `AsyncLLM` (tests/engines/test_vllm_async_actor.py) with the weightsync weight-transfer backend
 enabled, and nothing else from WeightSync but, for `AsyncLLM`, the one adapter method.
+The `vllm.LLM` actor and the engine settings are sync_runtime/testing/vllm_user_engines.py's (the
+`--engine vllm` demo runs the same actor); re-exported here for the tests.
 Runs only under the engine environment (tools/vllm_env.sh).
 """
 
@@ -9,70 +11,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from sync_runtime.testing.vllm_user_engines import UserEngine, engine_args, greedy, row_of
 
-def engine_args(model: str, tp: int) -> dict[str, Any]:
-    """The engine settings of both user engines: those of the checkpoint-loaded oracle
-    (VllmReplica), with dummy weights and the weightsync backend, so they generate alike."""
-    return {
-        "model": model,
-        "skip_tokenizer_init": True,
-        "load_format": "dummy",
-        "dtype": "bfloat16",
-        "tensor_parallel_size": tp,
-        "distributed_executor_backend": "mp",
-        "enable_prefix_caching": False,
-        "max_model_len": 128,
-        "max_num_seqs": 4,
-        "enforce_eager": True,
-        "seed": 0,
-        "weight_transfer_config": {"backend": "weightsync"},
-    }
-
-
-def greedy(max_tokens: int) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(
-        temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False
-    )
-
-
-def row_of(completion: Any) -> dict:
-    """A completion's token ids and the chosen tokens' logprobs."""
-    return {
-        "token_ids": list(completion.token_ids),
-        "logprobs": [
-            d[t].logprob for t, d in zip(completion.token_ids, completion.logprobs or [], strict=True)
-        ],
-    }
-
-
-class UserEngine:
-    """What a user writes: an actor holding a vLLM engine, nothing from WeightSync."""
-
-    def __init__(self, model: str, tp: int, extra: dict[str, Any] | None = None) -> None:
-        """`extra`: more vLLM engine arguments (e.g. a speculative config: test_vllm_mtp.py)."""
-        from vllm import LLM
-
-        self.llm = LLM(**(engine_args(model, tp) | (extra or {})))
-
-    def start(self) -> str:
-        """The engine is up (built in the constructor): its weight version label."""
-        return self.weight_version()
-
-    def generate(self, rows: list[list[int]], max_tokens: int, *, one_at_a_time: bool) -> list[dict]:
-        outs = [
-            self.llm.generate([{"prompt_token_ids": r}], greedy(max_tokens), use_tqdm=False)[0] for r in rows
-        ]
-        return [row_of(o.outputs[0]) for o in outs]
-
-    def weight_version(self) -> str:
-        return str(self.llm.get_weight_version())
-
-    def shutdown(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
+__all__ = ["AsyncUserEngine", "UserEngine", "engine_args", "greedy", "row_of", "user_deployment"]
 
 
 class AsyncUserEngine:
