@@ -1,25 +1,33 @@
 """`weightsync demo --engine vllm`: a sync into real vLLM engines, judged by what they generate.
 
 An embedded Ray cluster; the demo's Megatron-layout source actors holding shards of the seeded
-canonical weights (version v1); N `VllmReplica` actors, each a vLLM engine started with dummy
-weights; and one more engine loaded normally (`load_format="auto"`) from reference.safetensors,
-the canonical weights as an HF checkpoint: the oracle. Every engine generates greedily from
-fixed prompt token ids before the sync (the negative control: dummy weights) and after it; the
-demo passes (exit 0) only when every replica's token ids and logprobs equal the oracle's bit for
-bit, its dummy generation differs, and the bytes each rank applied are its layout shard.
+canonical weights (version v1); N destination replicas run as users run vLLM in Ray: each a plain
+actor holding a `vllm.LLM` started with dummy weights and `weight_transfer_config={"backend":
+"weightsync"}` (the plugin, engines/vllm_plugin/), nothing from WeightSync inside it
+(sync_runtime/testing/vllm_user_engines.py), attached the documented way, `attach(name,
+namespace, ActorControl(actor))`: a WeightSync proxy per engine that discovery finds by name and
+that drives the engine through vLLM's own weight-transfer API. The oracle is the same actor
+without the backend, loaded by vLLM's loader (`load_format="auto"`) from reference.safetensors,
+the canonical weights as an HF checkpoint. Every engine generates greedily from fixed prompt token
+ids before the sync (the negative control: dummy weights) and after it; the demo passes (exit 0)
+only when every replica's token ids and logprobs equal the oracle's bit for bit, its dummy
+generation differs, the bytes each rank applied are its layout shard (each worker's checksums,
+asked through its proxy) and the engine's weight version label is the synced version.
 
-Runs in the engine environment (vLLM is imported by the replica actors): `make demo
+Runs in the engine environment (vLLM is imported by the engine actors): `make demo
 ARGS="--engine vllm"` picks it. With WEIGHTSYNC_REFERENCE_CACHE=1 the oracle's outputs come from
-the reference cache when it holds them for exactly this oracle (sync_runtime/testing/
-vllm_oracle_keys.py; the tests set it) and no oracle engine starts; a line says which. Each
-prompt is generated alone (vLLM's CPU MLA kernels are not batch-invariant, see
-VllmReplica.generate). Refused: expert parallel (vLLM's CPU fused-MoE kernel crashes generating
-with it, docs/vllm.md), pipeline parallel (VllmReplica is PP 1).
+the reference cache when it holds them for exactly this oracle (`user_oracle_key`; the tests set
+it) and no oracle engine starts; a line says which. Each prompt is generated alone (vLLM's CPU
+MLA kernels are not batch-invariant, see UserEngine.generate). Refused: expert parallel (vLLM's
+CPU fused-MoE kernel crashes generating with it, docs/vllm.md) and pipeline parallel (not tested
+through the plugin, docs/vllm.md "What is not there yet").
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import shutil
@@ -49,16 +57,15 @@ from sync_runtime.testing.cluster import (
     start_local_ray,
     weightsync_spec,
 )
-from sync_runtime.testing.vllm_deploy import (
-    Generation,
-    generations,
-    start_replica,
-    stop_replicas,
-    token_rows_equal,
-    wait_ready,
-)
+from sync_runtime.testing.vllm_deploy import Generation, generations, stop_replicas, token_rows_equal
 from sync_runtime.testing.vllm_models import PROMPTS, model_dir_for, vllm_model_config
-from sync_runtime.testing.vllm_oracle_keys import DemoOracle, replica_oracle_key
+from sync_runtime.testing.vllm_oracle_keys import DemoOracle
+from sync_runtime.testing.vllm_user_engines import (
+    attach_user_engines,
+    start_user_engine,
+    user_oracle_key,
+    wait_started,
+)
 from sync_runtime.testing.weights import bits_to_torch, reference_weights, shard_arrays
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 
@@ -94,14 +101,21 @@ def refusal(args: argparse.Namespace, config: dict[str, Any], dst: ParallelSpec)
         return (
             f"--engine vllm needs vLLM, which {sys.executable} cannot import. Run it with {ENGINE_ENV_HINT}"
         )
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    if not any(ep.value.startswith("sync_runtime.engines.vllm_plugin") for ep in plugins):
+        return (
+            f"--engine vllm: the weightsync vLLM plugin is not installed in {sys.prefix} "
+            "(pip install weightsync there: its vllm.general_plugins entry point registers the backend)"
+        )
     if args.source != "synthetic" or args.ray_address or args.participants_only or args.train_step:
         return "--engine vllm runs synthetic sources on an embedded cluster only"
     if args.verify_only:
         return "--engine vllm runs synthetic sources on an embedded cluster only"
     if dst.pp != 1 or dst.ep != 1:
         return (
-            f"--dst {dst.describe()}: --engine vllm takes tp and replicas only (the replica actor is PP 1; "
-            "vLLM 0.32's CPU fused-MoE kernel crashes generating with expert parallel)"
+            f"--dst {dst.describe()}: --engine vllm takes tp and replicas only (pipeline parallel is not "
+            "tested through the plugin; vLLM 0.32's CPU fused-MoE kernel crashes generating with expert "
+            "parallel)"
         )
     return None
 
@@ -154,33 +168,29 @@ def _deploy_and_check(
 ) -> int:
     dst, model_dir = setup.dst, str(work / "reference-model")
     # the oracle generates twice, as the replicas do (dummy weights, then synced): like with like
-    oracle = DemoOracle.look_up(
-        lambda: replica_oracle_key(model_dir, {"tp": dst.tp}, calls=2, kernel_checksums=False)
-    )
+    oracle = DemoOracle.look_up(lambda: user_oracle_key(model_dir, tp=dst.tp, calls=2))
     console.print(
         f"[bold]WeightSync demo (vLLM engines)[/]: {setup.config['architectures'][0]} "
         f"({len(setup.manifest.tensors)} tensors, {human_bytes(setup.manifest.nbytes)} bf16), "
-        f"megatron {setup.src.describe()} -> {dst.replicas} vLLM engine(s) tp={dst.tp}, "
-        f"oracle: vLLM loading {work / 'reference.safetensors'}"
+        f"megatron {setup.src.describe()} -> {dst.replicas} vllm.LLM engine(s) tp={dst.tp} in plain Ray "
+        f"actors (weightsync backend), oracle: vLLM loading {work / 'reference.safetensors'}"
     )
-    replicas = [
-        start_replica(f"{setup.dst_prefix}r{k}", setup.namespace, model_dir, tp=dst.tp, replica=k)
-        for k in range(dst.replicas)
-    ]
+    # every engine builds in the background, together (one after another would take minutes longer)
+    replicas = [start_user_engine(model_dir, dst.tp) for _ in range(dst.replicas)]
     reference = (
-        None
-        if oracle.cached
-        else start_replica("reference-engine", setup.namespace, model_dir, tp=dst.tp, load_format="auto")
+        None if oracle.cached else start_user_engine(model_dir, dst.tp, load_format="auto", backend=False)
     )
     engines = [*replicas, *([reference] if reference is not None else [])]
+    proxies: list[Any] = []
     try:
         create_participants(
             setup, src_version=VERSION, dst_version="-", skip=lambda c: c.role is Role.DESTINATION
         )
-        wait_ready(engines)
+        wait_started(engines)
+        proxies = attach_user_engines(replicas, setup.dst_prefix, setup.namespace, tp=dst.tp)
         console.print(
-            f"  {setup.src.world_size} source actors and {len(engines)} vLLM engines ready "
-            f"({time.monotonic() - started:.1f}s)"
+            f"  {setup.src.world_size} source actors and {len(engines)} vLLM engines ready, "
+            f"{len(proxies)} attached as destination replicas ({time.monotonic() - started:.1f}s)"
         )
         if oracle.runs is not None:
             ref_runs = oracle.runs
@@ -194,13 +204,19 @@ def _deploy_and_check(
             console.print("  [yellow]the reference engine did not repeat itself; comparing 2nd calls[/]")
         outcomes = [Outcome(k, g) for k, g in enumerate(generations(replicas))]
         report = _sync(setup, args, console, address)
+        labels: list[str] = []
         if report.result is SyncResult.SUCCEEDED:
             for o, g in zip(outcomes, generations(replicas), strict=True):
                 o.after = g
-            applied_checksums(setup, replicas, outcomes)
-        return _conclude(setup, args, console, work, report, outcomes, ref, started)
+            applied_checksums(setup, proxies, outcomes)
+            labels = [str(v) for v in ray.get([e.weight_version.remote() for e in replicas], timeout=60)]
+            console.print(f"  the engines' weight version labels after the sync: {labels}")
+        return _conclude(setup, args, console, work, report, outcomes, ref, started, labels)
     finally:
-        stop_replicas(engines)
+        stop_replicas(engines)  # the engines first: their workers leave the sync group
+        for p in proxies:
+            with contextlib.suppress(Exception):
+                ray.kill(p)
         kill_participants(setup)
 
 
@@ -215,9 +231,11 @@ def _sync(setup: DemoSetup, args: argparse.Namespace, console: Console, address:
         coordinator.close()
 
 
-def applied_checksums(setup: DemoSetup, replicas: Sequence[Any], outcomes: Sequence[Outcome]) -> None:
-    """Per rank: checksums of the bytes it applied vs those of its layout shard of the reference."""
-    for h, o in zip(replicas, outcomes, strict=True):
+def applied_checksums(setup: DemoSetup, proxies: Sequence[Any], outcomes: Sequence[Outcome]) -> None:
+    """Per rank: checksums of the bytes it applied vs those of its layout shard of the reference,
+    asked of each replica's WeightSync proxy (`attach`), which forwards the call to the worker's
+    backend through vLLM's own update_weights (engines/vllm_ranks.py)."""
+    for h, o in zip(proxies, outcomes, strict=True):
         for i, meta in enumerate(ray.get(h.ws_meta.remote())):
             applied = ray.get(h.ws_rank_call.remote(i, "ws_checksums", ()))
             dtypes = ray.get(h.ws_rank_call.remote(i, "ws_staging_dtypes", ()))
@@ -239,9 +257,17 @@ def _conclude(
     outcomes: Sequence[Outcome],
     ref: Generation,
     started: float,
+    labels: Sequence[str],
 ) -> int:
+    """`labels`: each replica's weight version label after the sync (vLLM's, which the proxy's
+    commit sets through finish_weight_update): every one must be the synced version."""
     synced = report.result is SyncResult.SUCCEEDED
-    ok = synced and all(o.bit_identical(ref) and o.before_differs(ref) and o.applied_ok() for o in outcomes)
+    labelled = list(labels) == [VERSION] * len(outcomes)
+    ok = (
+        synced
+        and labelled
+        and all(o.bit_identical(ref) and o.before_differs(ref) and o.applied_ok() for o in outcomes)
+    )
     if synced:
         console.print(ranks_table(report))
     verified = "yes" if ok else ("no" if synced else "no (sync failed)")
@@ -250,6 +276,8 @@ def _conclude(
     if args.dump is not None:
         write_outcomes(setup, work, report, outcomes, ref)
         console.print(f"  dump written to {work}")
+    if synced and not labelled:
+        console.print(f"  [red]weight version labels {list(labels)}: every replica's must be {VERSION!r}[/]")
     console.print(
         f"[bold {'green' if ok else 'red'}]{'OK' if ok else 'FAILED'}[/]: "
         f"{sum(o.bit_identical(ref) for o in outcomes)}/{len(outcomes)} replica(s) generate bit-identically "
