@@ -8,11 +8,12 @@ import pytest
 
 from sync_runtime.cli import main as cli
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.errors import TopologyError
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.planner.simulate import check_plan
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

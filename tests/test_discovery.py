@@ -14,12 +14,13 @@ import ray
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.base import LocalTensorMeta
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import RayUnreachableError, Reason, TopologyMismatchError
 from sync_runtime.runtime.connect import connect_ray
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import Participant, check_side
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.schema.crd import DeploymentRef, Parallelism, WeightSyncSpec
 from sync_runtime.schema.report import NullReporter, SyncResult, SyncStep

@@ -11,11 +11,12 @@ import pytest
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.errors import TopologyMismatchError
 from sync_runtime.planner import PlannerConfig, plan_sync
 from sync_runtime.runtime.discovery import Participant, check_side, topology_digest
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.schema.crd import DeploymentRef, Parallelism
 

@@ -8,10 +8,10 @@ import pytest
 
 from sync_runtime.cli import main as cli
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.errors import LayoutError, ModelConfigError
-from sync_runtime.runtime.hf_manifest import meta_state
+from sync_runtime.runtime.hf_manifest import build_manifest, meta_state
 from tests.test_layouts import GRID as DENSE_GRID
 from tests.test_layouts import assert_round_trip
 from tests.test_layouts_moe_mla import GRID

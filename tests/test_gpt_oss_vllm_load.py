@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.materialize import materialize
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines import vllm_family_load as family_load
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -16,9 +16,10 @@ from sync_runtime.core.layouts.materialize import coverage, materialize, reconst
 from sync_runtime.core.layouts.megatron import MegatronLayout, chunk_ranges
 from sync_runtime.core.layouts.vllm import VllmLayout
 from sync_runtime.core.manifest import Manifest, TensorMeta
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import LayoutError
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -10,9 +10,10 @@ from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.layouts.megatron import MegatronLayout
 from sync_runtime.core.layouts.vllm import VllmLayout
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import LayoutError
+from sync_runtime.runtime.hf_manifest import build_manifest
 from tests.test_layouts import assert_round_trip, canon_of
 
 pytestmark = pytest.mark.unit

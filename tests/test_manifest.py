@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from sync_runtime.core.models import available_presets, build_manifest, load_model_config, model_dims
+from sync_runtime.core.models import available_presets, load_model_config, model_dims
 from sync_runtime.errors import ModelConfigError
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.engines.megatron import MEGATRON_SOURCE_REFUSES, MegatronSource, refuse_unsupported_family
 from sync_runtime.engines.megatron_convert import to_hf
 from sync_runtime.errors import LayoutError
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.megatron_models import megatron_config
 
 pytestmark = pytest.mark.unit

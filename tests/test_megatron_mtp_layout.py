@@ -14,13 +14,14 @@ from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.base import RankShard
 from sync_runtime.core.layouts.materialize import bits_dtype, materialize
 from sync_runtime.core.manifest import MTP_PART, Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.engines.megatron_convert import to_hf
 from sync_runtime.errors import LayoutError
 from sync_runtime.planner import PlannerConfig, plan_sync
 from sync_runtime.planner.simulate import random_canonical, simulate
 from sync_runtime.runtime.discovery import Participant, check_side
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.schema.crd import DeploymentRef, Parallelism
 from sync_runtime.testing.megatron_mtp import sides

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from sync_runtime.cli import main as cli
-from sync_runtime.core.models import build_manifest, load_model_config, not_synced
+from sync_runtime.core.models import load_model_config, not_synced
 from sync_runtime.errors import ModelConfigError
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

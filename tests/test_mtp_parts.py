@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 from sync_runtime.cli import main as cli
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.manifest import MODEL_PART, MTP_PART
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.errors import PlanError
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -6,9 +6,10 @@ from datetime import UTC, datetime
 
 import pytest
 
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.report_plan import plan_fields
 from sync_runtime.schema.report import SyncReport, SyncResult
 

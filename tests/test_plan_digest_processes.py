@@ -12,7 +12,8 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 DIGEST_SCRIPT = """
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 m = build_manifest(load_model_config("tiny-qwen3-moe"))

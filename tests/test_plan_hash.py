@@ -13,12 +13,13 @@ from collections.abc import Callable
 
 import pytest
 
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.planner.needs import Need
 from sync_runtime.planner.pairs import PairBook
 from sync_runtime.planner.program import CompactPrograms
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

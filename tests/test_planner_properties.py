@@ -18,12 +18,13 @@ from hypothesis.control import currently_in_test_context
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.base import box_numel
 from sync_runtime.core.manifest import DTYPE_BYTES, Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.plan import SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.errors import LayoutError, TopologyError
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.planner.simulate import check_plan
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

@@ -28,10 +28,11 @@ from sync_runtime.core import memory
 from sync_runtime.core.cost import BucketArrays, LinkCost
 from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Piece
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.planner import PlannerConfig, columns, lanes
 from sync_runtime.planner.refine import build_cells, build_shared_cells
+from sync_runtime.runtime.hf_manifest import build_manifest
 from tests.test_planner_properties import Case, run_case, side
 
 pytestmark = pytest.mark.unit

@@ -8,7 +8,7 @@ import pytest
 
 from sync_runtime.core.layouts.base import Box, Layout, Piece, RankShard
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.plan import Transfer
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
 from sync_runtime.errors import LayoutError, PlanError, TopologyError
@@ -17,6 +17,7 @@ from sync_runtime.planner.needs import Need
 from sync_runtime.planner.refine import SourceCell, build_cells, intersect, split_rows, to_local
 from sync_runtime.planner.schedule import direct_queue, pack_buckets, schedule_rounds
 from sync_runtime.planner.senders import SenderChooser
+from sync_runtime.runtime.hf_manifest import build_manifest
 
 pytestmark = pytest.mark.unit
 

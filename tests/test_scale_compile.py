@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sync_runtime.core.block_wire import HEAD
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.packed import PackedProgram, PackedRows, PackedSide, compressed
 from sync_runtime.core.plan import RankPlan, SyncPlan
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
@@ -30,6 +30,7 @@ from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync, tables
 from sync_runtime.planner.blocks import BlockCache
 from sync_runtime.planner.program import CompactPrograms
 from sync_runtime.planner.tables import HolderIndex
+from sync_runtime.runtime.hf_manifest import build_manifest
 from tests.test_scale_programs import CASES, reference_cut
 
 pytestmark = pytest.mark.unit

@@ -15,9 +15,10 @@ import torch
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.manifest import MTP_PART, Manifest
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.local_ranks import LocalWorld, RankContext
 from sync_runtime.testing.scenario import mismatches, rank_tensors
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from sync_runtime.core.models import build_manifest
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
 from sync_runtime.testing.weights import bits_to_torch, canonical_tensor
 

@@ -151,8 +151,8 @@ def cmd_corrupt(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_snapshot(args: argparse.Namespace) -> dict[str, Any]:
     import ray
 
-    from sync_runtime.core.models import build_manifest
     from sync_runtime.core.topology import ParallelSpec
+    from sync_runtime.runtime.hf_manifest import build_manifest
     from sync_runtime.testing.weights import expected_sha256, model_config
 
     actors = _actors(args.namespace, args.prefix)

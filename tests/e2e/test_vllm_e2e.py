@@ -64,8 +64,8 @@ from ray_cluster import RayCluster
 from vllm_client import LONG_TOKENS, Served, serving_sync
 from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, TP, WS, ReadyWatch, deployment, manifest, server_pods
 
-from sync_runtime.core.models import build_manifest
 from sync_runtime.engines.vllm_http import HttpControl
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing import reference_cache
 from sync_runtime.testing.vllm_server import completions
 from tests.support.vllm_deploy import CONFIGS, rows_equal, write_model

@@ -16,10 +16,11 @@ import pytest
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.manifest import MTP_PART
-from sync_runtime.core.models import build_manifest, load_model_config
+from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import Role
 from sync_runtime.engines.megatron_convert import gather_full, to_hf
 from sync_runtime.runtime.discovery import Participant, check_side
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.schema.crd import DeploymentRef, Parallelism
 from sync_runtime.testing.local_ranks import LocalWorld

@@ -31,13 +31,13 @@ import torch
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.materialize import materialize
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.plan import Transfer
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines.vllm_apply import ApplyReport, EngineTensor
 from sync_runtime.engines.vllm_worker import VllmStaging
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_participants
 from sync_runtime.testing.sparse_steps import SteppedSource, stepped_weights, write_stepped_model

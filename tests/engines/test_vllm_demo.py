@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sync_runtime.core.models import build_manifest
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.vllm_models import CONFIGS
 from sync_runtime.testing.vllm_oracle_keys import ORACLE_LINE
 from sync_runtime.testing.weights import reference_weights

@@ -20,11 +20,11 @@ import pytest
 import ray
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.errors import TopologyMismatchError
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import check_side, gather
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import train_step
 from tests.support.vllm_deploy import CONFIGS, deploy, destination_ref, generations, rows_equal, sync_spec

@@ -41,10 +41,11 @@ import ray
 import torch
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import TENSOR_DTYPES_KEY, build_manifest
+from sync_runtime.core.models import TENSOR_DTYPES_KEY
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines.megatron_convert import gather_full, to_hf
 from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.megatron_actors import build_all, start_trainers
 from sync_runtime.testing.megatron_deploy import save_reference

@@ -35,11 +35,11 @@ import pytest
 import ray
 
 from sync_runtime.core.layouts import get_layout
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines.vllm_actor import ActorControl
 from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_participants
 from sync_runtime.testing.hf_source import HfDemoSource

@@ -30,9 +30,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sync_runtime.core.models import build_manifest
 from sync_runtime.demo.vllm_run import Outcome
 from sync_runtime.demo.vllm_server_run import failed_checks
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.report import SyncReport
 from sync_runtime.testing.vllm_models import CONFIGS
 from sync_runtime.testing.vllm_oracle_keys import ORACLE_LINE

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import ray
 
-from sync_runtime.core.models import build_manifest
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.vllm_deploy import Generation, generations, stop_replicas, wait_ready
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
 

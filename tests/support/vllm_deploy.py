@@ -16,8 +16,8 @@ from typing import Any
 import ray
 
 from sync_runtime.core.manifest import Manifest
-from sync_runtime.core.models import build_manifest
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
+from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing import vllm_deploy as _deploy
 from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_participants
 from sync_runtime.testing.vllm_deploy import (
