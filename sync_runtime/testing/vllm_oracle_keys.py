@@ -1,9 +1,11 @@
 """The reference-cache keys of vLLM oracles, and the vLLM demos' opt-in use of the cache.
 
 An oracle is vLLM loading a checkpoint with its own loader, run only for its greedy outputs
-(sync_runtime/testing/reference_cache.py keeps them outside the clone). Two kinds:
+(sync_runtime/testing/reference_cache.py keeps them outside the clone). Three kinds:
 - a `VllmReplica` actor (`replica_oracle_key`): the engine tests' oracles (tests/support/
-  vllm_oracle.py) and the `--engine vllm` demo's;
+  vllm_oracle.py);
+- a user-style `vllm.LLM` actor (`vllm_user_engines.user_oracle_key`): the `--engine vllm`
+  demo's;
 - a `vllm serve` process queried over HTTP (`server_oracle_key`): the `--engine vllm-server` demo's.
 
 The demos use the cache only when asked (`WEIGHTSYNC_REFERENCE_CACHE=1`; the tests set it): a
