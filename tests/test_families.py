@@ -9,6 +9,7 @@ import pytest
 from sync_runtime.cli import main as cli
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import load_model_config
+from sync_runtime.core.models.config import LLAMA_LAYOUT
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.errors import LayoutError, ModelConfigError
 from sync_runtime.runtime.hf_manifest import build_manifest, meta_state
@@ -214,3 +215,39 @@ def test_gpt_oss_refusals() -> None:
         get_layout("vllm").validate(m, ParallelSpec(tp=8))
     with pytest.raises(ModelConfigError, match="mxfp4"):
         build_manifest(load_model_config("gpt-oss-20b") | {"quantization_config": {"quant_method": "mxfp4"}})
+
+
+@pytest.mark.parametrize("model_type", sorted(LLAMA_LAYOUT))
+def test_llama_layout_families_hold_llamas_tensors(model_type: str) -> None:
+    """The LLAMA_LAYOUT table, checked against transformers: its model class for the family holds
+    the same tensors (names, shapes, order, ties) as Llama's for the same fields, so planning it
+    as `llama` moves every byte it has; and its manifest is Llama's."""
+    llama = load_model_config("tiny-llama")
+    other = llama | {"model_type": model_type, "architectures": [LLAMA_LAYOUT[model_type]]}
+    assert meta_state(other).model_class == LLAMA_LAYOUT[model_type]
+    assert meta_state(other).state == meta_state(llama).state
+    assert meta_state(other).tied == meta_state(llama).tied
+    assert build_manifest(other).tensors == build_manifest(llama).tensors
+
+
+def test_a_family_outside_the_table_is_not_taken_for_llama() -> None:
+    # Control: OLMo 2 builds in transformers but its tensors are not Llama's (q/k norms, other
+    # norm placement); the round trip above would fail for it, and it stays refused.
+    llama = load_model_config("tiny-llama")
+    olmo2 = llama | {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]}
+    assert meta_state(olmo2).state != meta_state(llama).state
+    with pytest.raises(ModelConfigError, match="unknown model family"):
+        build_manifest(olmo2)
+
+
+@pytest.mark.parametrize(("src", "dst"), [("tp=4,pp=2,dp=2", "tp=2,replicas=4"), ("tp=8", "tp=4")])
+def test_mistral_7b_plans_at_the_lower_bound_with_transformers_byte_count(src: str, dst: str, capsys) -> None:
+    argv = ["plan", "--model", "mistral-7b", "--src", src, "--dst", dst, "--json"]
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    summary = json.loads(out.out)
+    count = meta_state(load_model_config("mistral-7b")).parameter_count
+    assert count == 7_241_732_096  # Mistral-7B's published parameter count
+    assert summary["model_bytes"] == 2 * count
+    assert summary["wire_bytes"] == summary["lower_bound_bytes"]

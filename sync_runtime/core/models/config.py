@@ -29,7 +29,18 @@ _ARCH_FAMILY: dict[str, str] = {
     "Gemma3ForCausalLM": "gemma3_text",
     "GptOssForCausalLM": "gpt_oss",
 }
+LLAMA_LAYOUT: dict[str, str] = {
+    "mistral": "MistralForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "granite": "GraniteForCausalLM",
+}
+"""model_type -> causal-LM class of the families whose tensors are Llama's, name for name and
+shape for shape (transformers' own models: tests/test_families.py checks each against Llama's on
+the meta device). They plan, and sync, as the `llama` family; what differs (Mistral's sliding
+window, Granite's multipliers) is in the forward pass, not in the weights."""
+_ARCH_FAMILY |= {arch: "llama" for arch in LLAMA_LAYOUT.values()}
 _TYPE_FAMILY: dict[str, str] = {
+    **dict.fromkeys(LLAMA_LAYOUT, "llama"),
     "llama": "llama",
     "qwen2": "llama",
     "qwen3": "llama",
