@@ -49,7 +49,7 @@ import psutil
 import ray
 
 from bench.vllm_bench_report import print_table, summarize
-from bench.vllm_server_breakdown import SpanProbe
+from bench.vllm_server_breakdown import SpanProbe, warm_syncs
 from sync_runtime.core.topology import Role
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
@@ -61,7 +61,6 @@ from sync_runtime.testing.cluster import (
     create_participants,
     kill_participants,
     start_local_ray,
-    train_step,
     weightsync_spec,
 )
 from sync_runtime.testing.vllm_deploy import generations, stop_replicas
@@ -183,30 +182,6 @@ class Completions(threading.Thread):
         return done / sum(b - a for a, b in windows)
 
 
-def warm_syncs(
-    setup: DemoSetup, coordinator: Coordinator, procs: Procs, probe: SpanProbe, versions: list[str]
-) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
-    """One measured sync per version (the sources train a step before each, not timed)."""
-    warm, windows = [], []
-    for v in versions:
-        train_step(setup, v)
-        probe.reset()
-        begin = time.monotonic()
-        report, m = measure(procs, lambda v=v: _sync(coordinator, v))
-        windows.append((begin, time.monotonic()))
-        warm.append(
-            {
-                **m,
-                "plan_cached": report.plan_cached,
-                "transfer_s": report.stages.transfer,
-                "commit_s": report.stages.commit,
-                "pause_s": report.replicas[0].pause_seconds if report.replicas else None,
-                "breakdown": probe.collect(report),
-            }
-        )
-    return warm, windows
-
-
 def run_phases(
     setup: DemoSetup, engine: Any, proxy: Any, procs: Procs, repeats: int, address: str
 ) -> dict[str, Any]:
@@ -216,17 +191,21 @@ def run_phases(
     spec = weightsync_spec(setup, "v1", address=address, transport=transport)
     coordinator = Coordinator(spec, NullReporter(), manifest=setup.manifest)
     probe = SpanProbe(proxy, list(setup.handles))
+
+    def timed(version: str) -> tuple[SyncReport, dict[str, Any]]:
+        return measure(procs, lambda: _sync(coordinator, version))
+
     client = Completions(engine)
     try:
         dummy_gen = generations([engine])[0]  # the negative control: the engine's dummy weights
         cold_report, cold = measure(procs, lambda: _sync(coordinator, "v1"))
         synced_gen = generations([engine])[0]
-        warm, _ = warm_syncs(setup, coordinator, procs, probe, [f"v{i + 2}" for i in range(repeats)])
+        warm, _ = warm_syncs(setup, probe, [f"v{i + 2}" for i in range(repeats)], timed)
         client.start()
         t0 = time.monotonic()
         time.sleep(IDLE_S)
         idle = [(t0, time.monotonic())]
-        serving, windows = warm_syncs(setup, coordinator, procs, probe, [f"s{i + 2}" for i in range(repeats)])
+        serving, windows = warm_syncs(setup, probe, [f"s{i + 2}" for i in range(repeats)], timed)
     finally:
         client.stop.set()
         client.join(300)

@@ -38,7 +38,7 @@ import psutil
 import ray
 
 from bench.vllm_bench import BENCH_CONFIG
-from bench.vllm_server_breakdown import SpanProbe
+from bench.vllm_server_breakdown import SpanProbe, warm_syncs
 from bench.vllm_server_breakdown import lines as breakdown_lines
 from bench.vllm_server_breakdown import summarize as breakdown
 from sync_runtime.core.topology import Role
@@ -53,7 +53,6 @@ from sync_runtime.testing.cluster import (
     create_participants,
     kill_participants,
     start_local_ray,
-    train_step,
     weightsync_spec,
 )
 from sync_runtime.testing.vllm_models import PROMPTS, write_model
@@ -115,30 +114,6 @@ def vllm_reload(url: str) -> None:
     r.raise_for_status()
 
 
-def warm_syncs(
-    setup: DemoSetup, coordinator: Coordinator, procs: ServerProcs, probe: SpanProbe, versions: list[str]
-) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
-    """One measured sync per version (the sources train a step before each, not timed)."""
-    warm, windows = [], []
-    for v in versions:
-        train_step(setup, v)
-        probe.reset()
-        begin = time.monotonic()
-        report, m = measure(procs, lambda v=v: _sync(coordinator, v))
-        windows.append((begin, time.monotonic()))
-        pause = report.replicas[0].pause_seconds if report.replicas else None
-        warm.append(
-            {
-                **m,
-                "transfer_s": report.stages.transfer,
-                "pause_s": pause,
-                "cached": report.plan_cached,
-                "breakdown": probe.collect(report),
-            }
-        )
-    return warm, windows
-
-
 def run_phases(
     setup: DemoSetup, url: str, procs: ServerProcs, repeats: int, address: str, proxy: Any
 ) -> dict[str, Any]:
@@ -148,6 +123,10 @@ def run_phases(
     )
     client = Client(url, interval_s=0.0)
     probe = SpanProbe(proxy, list(setup.handles))
+
+    def timed(version: str) -> tuple[SyncReport, dict[str, Any]]:
+        return measure(procs, lambda: _sync(coordinator, version))
+
     try:
         cold_report, cold = measure(procs, lambda: _sync(coordinator, "v1"))
         synced = generations(url)
@@ -155,11 +134,11 @@ def run_phases(
         t0 = time.monotonic()
         _, idle = measure(procs, lambda: time.sleep(IDLE_S))
         idle_windows = [(t0, time.monotonic())]
-        warm, windows = warm_syncs(setup, coordinator, procs, probe, [f"v{i + 2}" for i in range(repeats)])
+        warm, windows = warm_syncs(setup, probe, [f"v{i + 2}" for i in range(repeats)], timed)
         client.stop.set()
         client.join(120)
         # the same warm syncs with no client: what serving on the same cores costs a sync
-        quiet, _ = warm_syncs(setup, coordinator, procs, probe, [f"q{i + 2}" for i in range(repeats)])
+        quiet, _ = warm_syncs(setup, probe, [f"q{i + 2}" for i in range(repeats)], timed)
     finally:
         client.stop.set()
         client.join(120)
@@ -226,7 +205,7 @@ def summarize(res: dict[str, Any], model_bytes: int) -> dict[str, Any]:
                 ("load", res["load"]),
             )
         },
-        "warm_plan_cached": all(r["cached"] for r in res["warm"]),
+        "warm_plan_cached": all(r["plan_cached"] for r in res["warm"]),
         "client_failed": res["client_failed"],
         "same_weights_sync_vs_load": res["same_weights"],
     }

@@ -15,11 +15,14 @@ add up to the sync's wall time.
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from sync_runtime.schema.report import SyncReport
+from sync_runtime.testing.cluster import DemoSetup, train_step
 from sync_runtime.transfer import spans
 
 Tallies = dict[str, dict[str, float]]
@@ -136,3 +139,32 @@ def lines(label: str, c: dict[str, float]) -> list[str]:
         f" + apply {c['apply_s']:.3f} (copy staged {c['apply_copy_staged_s']:.3f}, vLLM post-processing"
         f" {c['apply_vllm_postprocess_s']:.3f})",
     ]
+
+
+MeasuredSync = Callable[[str], tuple[SyncReport, dict[str, Any]]]
+"""Version -> (the sync's report, the bench's measures of it: wall, CPU by process group, ...)."""
+
+
+def warm_syncs(
+    setup: DemoSetup, probe: SpanProbe, versions: list[str], measured_sync: MeasuredSync
+) -> tuple[list[dict[str, Any]], list[tuple[float, float]]]:
+    """One measured sync per version (the sources train a step before each, not timed), with its
+    stage seconds and span breakdown; and each sync's (begin, end) on the monotonic clock."""
+    warm, windows = [], []
+    for v in versions:
+        train_step(setup, v)
+        probe.reset()
+        begin = time.monotonic()
+        report, measures = measured_sync(v)
+        windows.append((begin, time.monotonic()))
+        warm.append(
+            {
+                **measures,
+                "plan_cached": report.plan_cached,
+                "transfer_s": report.stages.transfer,
+                "commit_s": report.stages.commit,
+                "pause_s": report.replicas[0].pause_seconds if report.replicas else None,
+                "breakdown": probe.collect(report),
+            }
+        )
+    return warm, windows
