@@ -9,7 +9,7 @@ import pytest
 from sync_runtime.cli import main as cli
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.models import load_model_config
-from sync_runtime.core.models.config import LLAMA_LAYOUT
+from sync_runtime.core.models.families import LLAMA_LAYOUT
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.errors import LayoutError, ModelConfigError
 from sync_runtime.runtime.hf_manifest import build_manifest, meta_state

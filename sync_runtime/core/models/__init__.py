@@ -10,14 +10,13 @@ glm4_moe, gemma3_text, gpt_oss.
 from __future__ import annotations
 
 from sync_runtime.core.models.config import (
-    FAMILIES,
     ModelDims,
     available_presets,
     load_model_config,
     model_dims,
-    model_family,
     not_synced,
 )
+from sync_runtime.core.models.families import FAMILIES, model_family
 from sync_runtime.core.models.hf_layout import TENSOR_DTYPES_KEY
 from sync_runtime.errors import ModelConfigError
 
