@@ -111,18 +111,29 @@ class UserEngine:
 
 
 def start_user_engine(
-    model_dir: str, tp: int, *, load_format: str = "dummy", backend: bool = True, name: str | None = None
+    model_dir: str,
+    tp: int,
+    extra: dict[str, Any] | None = None,
+    *,
+    load_format: str = "dummy",
+    backend: bool = True,
+    name: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> Any:
     """A `UserEngine` actor (returns at once; the engine builds in its constructor, in the
     background: wait with `wait_started`). Unnamed unless `name`: discovery finds the destination
-    by its WeightSync proxy's name (`attach_user_engines`), never by the user's actor."""
-    options: dict[str, Any] = {"num_cpus": 0, "runtime_env": {"env_vars": engine_env(tp)}}
+    by its WeightSync proxy's name (`attach_user_engines`), never by the user's actor. `extra`:
+    more vLLM engine arguments; `env`: the actor's environment (default `engine_env(tp)`)."""
+    options: dict[str, Any] = {
+        "num_cpus": 0,
+        "runtime_env": {"env_vars": env if env is not None else engine_env(tp)},
+    }
     if name is not None:
         options["name"] = name
     return (
         ray.remote(UserEngine)
         .options(**options)
-        .remote(model_dir, tp, load_format=load_format, backend=backend)
+        .remote(model_dir, tp, extra, load_format=load_format, backend=backend)
     )
 
 

@@ -45,9 +45,9 @@ from sync_runtime.testing.cluster import DemoSetup, create_participants, kill_pa
 from sync_runtime.testing.hf_source import HfDemoSource
 from sync_runtime.testing.vllm_deploy import destination_ref, stop_replicas, sync_spec
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
+from sync_runtime.testing.vllm_user_engines import start_user_engine
 from tests.support.vllm_deploy import engine_env, generations, kernel_checksums, rows_equal, start_replica
 from tests.support.vllm_oracle import finish_oracles, start_oracles
-from tests.support.vllm_user import UserEngine
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # `__ray_call__` functions below
@@ -88,10 +88,9 @@ def mtp_engine_args(mtp: int, *, stats: bool) -> dict[str, Any]:
     return engine_args
 
 
-def start_user_engine(model_dir: str, tp: int) -> Any:
+def start_mtp_user_engine(model_dir: str, tp: int) -> Any:
     """The user's actor holding a `vllm.LLM` with the weightsync backend and MTP speculation."""
-    options = {"num_cpus": 0, "runtime_env": {"env_vars": engine_env(tp)}}
-    return ray.remote(UserEngine).options(**options).remote(model_dir, tp, mtp_engine_args(1, stats=True))
+    return start_user_engine(model_dir, tp, mtp_engine_args(1, stats=True), env=engine_env(tp))
 
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
@@ -130,7 +129,7 @@ def deployment(
     assert manifest.mtp
     ref_dir = write_model(tmp_path_factory.mktemp("mtp") / "v1", CONFIG, manifest, seed=0, version="v1")
     setup = DemoSetup.create(f"{ref_dir}/config.json", "tp=1", dst, namespace=NS, seed=0)
-    engine = start_user_engine(ref_dir, tp)
+    engine = start_mtp_user_engine(ref_dir, tp)
     oracles = start_oracles(
         ref_dir, NS, {"ref": (f"mtpref{tp}", {"tp": tp, "mtp": 1})}, calls=1, start=start_mtp_replica
     )
