@@ -208,11 +208,13 @@ def meta_state(config: dict[str, Any]) -> MetaState:
     memory, and on disk per transformers version); ModelConfigError, in one line, for a config
     transformers does not know or cannot build."""
     key = _key(config)
-    read = _cached(key)
-    if read is None:
-        read = _read(config)
-        _store(_disk_path(key), read)
-        _remember(key, read)
+    return _cached(key) or _read_and_keep(key, config)
+
+
+def _read_and_keep(key: str, config: dict[str, Any]) -> MetaState:
+    read = _read(config)
+    _store(_disk_path(key), read)
+    _remember(key, read)
     return read
 
 
@@ -224,9 +226,10 @@ def build_manifest(config: dict[str, Any]) -> Manifest:
     """
     refuse_quantized(config)
     config_dtype(config, DTYPES)  # ours, in one line, before transformers refuses it its own way
-    cached = _cached(_key(config))
+    key = _key(config)
+    cached = _cached(key)
     if cached is None:
         hf_model_type(config)  # a model transformers does not know is refused as that, first
     dims = model_dims(config)  # the family's layout rules: refuses fields they do not cover
-    state = cached if cached is not None else meta_state(config)
+    state = cached if cached is not None else _read_and_keep(key, config)
     return manifest_of(config, dims, state.state, mtp_layers(config))
