@@ -98,7 +98,9 @@ class _State:
     before any of its ranks applies a version and resumes it once all of them hold it."""
     txn: LocalTxn | None = None
     record: CommitRecord | None = None
-    store_addr: tuple[str, int, float] | None = None
+    store: Any = None
+    """This rank's client of the coordinator's store, opened once per join: a new client inside a
+    sync took up to 5 s, inside the transfer timeout the other ranks were already counting."""
     lock: threading.RLock = field(default_factory=threading.RLock)
     """Serving switch and commit are atomic for an observer (a threaded actor's other calls)."""
     kept: KeptBits | None = None  # a source's bits of its last successful sync (delta_wire.py)
@@ -253,8 +255,8 @@ class WeightSyncParticipant(ServingControl):
             group_name=group_name,
         )
         st.group_key = key
-        st.progress = ProgressWriter(store_host, store_port, group_name, rank, timeout_s)
-        st.store_addr = (store_host, store_port, timeout_s)
+        st.store = participant_txn.store_client(store_host, store_port, timeout_s)
+        st.progress = ProgressWriter(st.store, group_name, rank)
         st.plans.clear()
         return False
 
@@ -264,7 +266,7 @@ class WeightSyncParticipant(ServingControl):
             try:
                 st.group.close()
             finally:
-                st.group, st.group_key, st.progress = None, None, None
+                st.group, st.group_key, st.progress, st.store = None, None, None, None
                 st.plans.clear()
 
     # ---- one sync -------------------------------------------------------------------------
@@ -314,9 +316,8 @@ class WeightSyncParticipant(ServingControl):
         st.destination.begin(version)
         st.txn = LocalTxn(txn, version) if txn else None
         st.record = None
-        if txn and st.store_addr is not None:
-            host, port, timeout_s = st.store_addr
-            st.record = participant_txn.connect_record(host, port, txn, timeout_s)
+        if txn and st.store is not None:
+            st.record = CommitRecord(st.store, txn)
 
     def _ws_resolve_plan(self, plan: RankPlan | str, digest: str, rank: int) -> RankPlan:
         st = self._ws_state()

@@ -40,9 +40,9 @@ class TxnState:
     checksum: str = ""
 
 
-def connect_record(host: str, port: int, txn: str, timeout_s: float) -> CommitRecord:
-    client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    return CommitRecord(client, txn)
+def store_client(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+    """A client of the coordinator's store (the commit record and progress keys live there)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 def prepare(dest: Staging, record: CommitRecord, local: LocalTxn, rank: int) -> None:
@@ -153,8 +153,8 @@ class ServingControl:
 class ProgressWriter:
     """Publishes this rank's progress to the coordinator's store, at most every PROGRESS_INTERVAL_S."""
 
-    def __init__(self, host: str, port: int, group_name: str, rank: int, timeout_s: float) -> None:
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    def __init__(self, store: dist.Store, group_name: str, rank: int) -> None:
+        self._store = store
         self._key = f"{group_name}/progress/{rank}"
         self._last = 0.0
 
