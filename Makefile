@@ -72,9 +72,12 @@ test-vllm-compat:
 test-gpu:
 	@V=$$(bash tools/venv.sh); $$V/bin/python bench/gpu_check.py $(ARGS)
 
-# The whole suite with its 30 slowest phases; the report goes to a file outside the clone.
+# The whole suite with its 30 slowest phases and the CPU seconds of each test's processes
+# (tests/support/cpu_report.py; on CI's two cores the suite is CPU-bound, so CPU is what a test
+# costs); the reports go to files outside the clone.
 test-durations: k8s-bins
 	@mkdir -p $(DURATIONS_DIR); out=$(DURATIONS_DIR)/$$(date +%Y%m%d-%H%M%S)-$$(git rev-parse --short HEAD 2>/dev/null || echo nogit).txt; \
+	export WS_TEST_CPU_REPORT=$${out%.txt}-cpu; \
 	V=$$(bash tools/venv.sh); VE=$$(bash tools/vllm_env.sh); rc=0; \
 	echo "== venv: unit, e2e, Megatron-Core engines" > $$out; \
 	$$V/bin/$(PYTEST) --durations=30 $(NO_VLLM) $(ARGS) 2>&1 | tee -a $$out || rc=1; \

@@ -13,6 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
+pytest_plugins = ["tests.support.cpu_report"]
+
 TIERS = ("unit", "e2e", "engines")
 LOCAL_POOL_SIZE = 6
 """Ranks of the shared local pool: the largest world of the tests that share it."""
