@@ -9,9 +9,21 @@ Tiers (markers registered in pyproject.toml; `make test-unit`, `test-e2e`, `test
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+QUIET_VLLM = str(Path(__file__).parent / "support" / "quiet_vllm")
+"""On PYTHONPATH for every process the session starts: vLLM's readers stop spinning a core for a
+second after each message (why, and what it changes: its sitecustomize.py)."""
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    dict.fromkeys([QUIET_VLLM, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+)
+from tests.support.quiet_vllm import sitecustomize as _quiet_vllm  # noqa: E402
+
+_quiet_vllm.install()  # the session's own process too (it started before PYTHONPATH changed)
 
 pytest_plugins = ["tests.support.cpu_report"]
 

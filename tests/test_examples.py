@@ -22,7 +22,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def test_rl_loop_example_pushes_every_step_and_ends_bit_exact() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator"), os.environ["PYTHONPATH"]]),
+    }
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "rl_loop.py"), "--steps", "2"],
         cwd=ROOT,

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from helpers import condition, get_json, wait_for
 
 from sync_runtime.testing.vllm_server import serve_args, serve_env
 
+QUIET_VLLM = Path(__file__).resolve().parents[1] / "support" / "quiet_vllm"
 NS = "ws-vllm"
 WS = "policy"
 SECRET = "ray-token"
@@ -69,9 +71,11 @@ def manifest(address: str, port: int, version: str) -> dict[str, Any]:
 def deployment(model_dir: str, port: int) -> dict[str, Any]:
     """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them. The node
     agent runs `command` with the engine env first on PATH (`python` is its interpreter)."""
-    # The engine settings of the tests' servers; not PYTHONPATH: the plugin comes from the
-    # installed package, as in a user's image.
+    # The engine settings of the tests' servers; not their PYTHONPATH: the plugin comes from the
+    # installed package, as in a user's image. On it only the test session's quiet vLLM readers
+    # (tests/support/quiet_vllm: a pod serving a steady client would otherwise spin both cores).
     env = {k: v for k, v in serve_env(TP).items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(QUIET_VLLM)
     container = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process

@@ -36,7 +36,11 @@ REPLICAS = 2
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("vllm-demo") / "dump"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'operator'}", COLUMNS="160")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "operator"), os.environ["PYTHONPATH"]]),
+        COLUMNS="160",
+    )
     env["WEIGHTSYNC_REFERENCE_CACHE"] = "1"
     cmd = [sys.executable, "-m", "sync_runtime", "demo", "--engine", "vllm"]
     cmd += ["--dst", f"tp=1,replicas={REPLICAS}", "--dump", str(out), "--namespace", "vllm-demo-test"]

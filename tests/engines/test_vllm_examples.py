@@ -42,7 +42,10 @@ def test_the_example_imports_only_the_public_api() -> None:
 
 
 def test_megatron_to_vllm_example_generates_as_the_checkpoint_after_the_sync() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "operator"), os.environ["PYTHONPATH"]]),
+    }
     proc = subprocess.run(
         [sys.executable, str(RUNNER)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=850
     )

@@ -57,7 +57,11 @@ class Run:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Run:
     out = tmp_path_factory.mktemp("vllm-server-demo") / "dump"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'operator'}", COLUMNS="160")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "operator"), os.environ["PYTHONPATH"]]),
+        COLUMNS="160",
+    )
     env["WEIGHTSYNC_REFERENCE_CACHE"] = "1"
     cmd = [sys.executable, "-m", "sync_runtime", "demo", "--engine", "vllm-server"]
     cmd += ["--dst", f"tp=1,replicas={REPLICAS}", "--dump", str(out), "--namespace", "vllm-server-demo-test"]

@@ -1,0 +1,45 @@
+"""The test session's vLLM processes use the short idle window of tests/support/quiet_vllm (why:
+its sitecustomize.py): a process started with the session's environment, as every engine process
+the tests start is, gets it; one started without that directory keeps vLLM's own second."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.quiet_vllm import sitecustomize as quiet
+
+pytestmark = [pytest.mark.engines, pytest.mark.vllm]
+
+PROBE = """
+import inspect, json, vllm
+from vllm.distributed.device_communicators import shm_broadcast as shm
+print(json.dumps({
+    "version": vllm.__version__,
+    "marked": getattr(shm.SpinCondition, "weightsync_test_window_s", None),
+    "default": inspect.signature(shm.SpinCondition.__init__).parameters["busy_loop_s"].default,
+}))
+"""
+
+
+def _probe(pythonpath: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_engine_processes_of_the_session_wait_quietly_and_others_do_not() -> None:
+    session = _probe(os.environ["PYTHONPATH"])
+    assert session["version"].startswith(quiet.QUIET_VERSIONS), session
+    assert session["marked"] == quiet.BUSY_WINDOW_S
+    assert session["default"] == quiet.BUSY_WINDOW_S
+
+    # control: without the directory on PYTHONPATH vLLM keeps its one-second window
+    others = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if "quiet_vllm" not in p]
+    plain = _probe(os.pathsep.join(others))
+    assert plain["marked"] is None and plain["default"] == 1
