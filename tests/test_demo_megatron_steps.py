@@ -1,19 +1,22 @@
 """`weightsync demo --source megatron-core --steps 3 --delta auto|off --dump DIR`, checked from the
 dump alone.
 
-Two runs of the real CLI: real Megatron-Core trainer ranks (tiny Qwen3, tp=2, bf16 with fp32 main
-weights, Adam at lr 1e-6 from std-0.02 weights) sync into two tp=1 replicas after each of three
-steps. The destination shards in the dump are rebuilt here from reference.safetensors with numpy
-(vLLM's fused qkv_proj and gate_up_proj at tp=1, written out below, not taken from the layouts
-package) and compared bit for bit, with negative controls (one flipped bit in the reference, q
-and k swapped in the fused tensor). report.json must list every sync: the first in full, the
-next two as deltas with a few percent of the wire; with `--delta off` every sync is full and the
-destinations end on the same bytes.
+Two runs of the real CLI. The `--delta auto` run is README's command, run as written in a shell
+(tests/engines/test_doc_demos.py leaves it to this module, which checks its dump): real
+Megatron-Core trainer ranks (tiny Qwen3, tp=2, bf16 with fp32 main weights, Adam at lr 1e-6 from
+std-0.02 weights) sync into two tp=1 replicas after each of three steps. The destination shards
+in the dump are rebuilt here from reference.safetensors with numpy (vLLM's fused qkv_proj and
+gate_up_proj at tp=1, written out below, not taken from the layouts package) and compared bit for
+bit, with negative controls (one flipped bit in the reference, q and k swapped in the fused
+tensor). report.json must list every sync: the first in full, the next two as deltas with a few
+percent of the wire; with `--delta off` every sync is full and the destinations end on the same
+bytes.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -27,27 +30,32 @@ from safetensors.torch import load_file
 pytestmark = pytest.mark.engines
 
 STEPS = 3
-ARGS = ["--model", "tiny-qwen3", "--src", "tp=2", "--dst", "tp=1,replicas=2", "--steps", str(STEPS)]
+DOCUMENTED = (
+    '$V/bin/weightsync demo --source megatron-core --model tiny-qwen3 --src tp=2 --dst "tp=1,replicas=2" '
+    "--steps 3 --lr 1e-6 --delta auto --dump /tmp/ws-megatron"
+)
+"""README's command (tests/test_doc_commands.py fails when the text and this differ)."""
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _demo(out: Path, delta: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    exe = Path(sys.executable).parent / "weightsync"
-    argv = [str(exe), "demo", "--source", "megatron-core", *ARGS, "--delta", delta, "--dump", str(out)]
+def _run(command: str) -> subprocess.CompletedProcess[str]:
+    script = f"V={shlex.quote(str(Path(sys.executable).parents[1]))}; {command}"
     started = time.monotonic()
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc, time.monotonic() - started
+    print(f"{command}: {time.monotonic() - started:.1f}s\n{proc.stdout}")
+    assert "OK in" in proc.stdout and proc.stdout.count("bit-exact") == STEPS
+    return proc
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = {}
-    for delta in ("auto", "off"):
-        out[delta] = tmp_path_factory.mktemp(f"megatron-{delta}")
-        proc, wall = _demo(out[delta], delta)
-        print(f"demo --delta {delta}: {wall:.1f}s\n{proc.stdout}")
-        assert "OK in" in proc.stdout and proc.stdout.count("bit-exact") == STEPS
-    return out
+    documented = Path(shlex.split(DOCUMENTED)[-1])
+    subprocess.run(["rm", "-rf", str(documented)], check=True)
+    _run(DOCUMENTED)
+    off = tmp_path_factory.mktemp("megatron-off")
+    _run(DOCUMENTED.replace("--delta auto", "--delta off").replace(str(documented), str(off)))
+    return {"auto": documented, "off": off}
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
