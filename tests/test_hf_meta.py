@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,6 +98,27 @@ def test_state_cached_on_disk_per_transformers_version(tmp_path, monkeypatch) ->
     env = {**os.environ, "WEIGHTSYNC_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == [str(len(build_manifest(config).tensors)), "False", "False"], out.stderr
+
+
+def test_disk_cache_keeps_the_most_recently_used(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("WEIGHTSYNC_CACHE", str(tmp_path))
+    monkeypatch.setattr(hf_manifest, "_CACHE", type(hf_manifest._CACHE)())
+    monkeypatch.setattr(hf_manifest, "_MAX_ON_DISK", 2)
+    base = load_model_config("tiny-qwen3")
+    a, b, c = (base | {"num_hidden_layers": n} for n in (1, 2, 3))
+
+    def on_disk() -> set[str]:
+        return {f.stem for f in tmp_path.glob("hf-state/transformers-*/*.json")}
+
+    for config in (a, b):
+        meta_state(config)
+        time.sleep(0.02)  # distinct modification times
+    assert on_disk() == {hf_manifest._key(a), hf_manifest._key(b)}
+    hf_manifest._CACHE.clear()
+    meta_state(a)  # read from its file: now the most recently used
+    time.sleep(0.02)
+    meta_state(c)
+    assert on_disk() == {hf_manifest._key(a), hf_manifest._key(c)}  # b, the least recent, went
 
 
 def test_unknown_model_refused_in_one_line() -> None:

@@ -136,6 +136,9 @@ def _read(config: dict[str, Any]) -> MetaState:
 
 _CACHE: OrderedDict[str, MetaState] = OrderedDict()
 _MAX_CACHED = 64
+_MAX_ON_DISK = 1024
+"""Files kept per transformers version; past it the least recently used go (a test run's
+property-based configs alone wrote 1,600)."""
 _LOCK = threading.Lock()
 
 
@@ -166,9 +169,12 @@ def _load(path: Path | None) -> MetaState | None:
         raw = json.loads(path.read_text())
         state = tuple((str(n), tuple(int(x) for x in shape), str(d)) for n, shape, d in raw["state"])
         tied = tuple((str(a), str(b)) for a, b in raw["tied"])
-        return MetaState(str(raw["model_class"]), state, tied, int(raw["parameter_count"]))
+        read = MetaState(str(raw["model_class"]), state, tied, int(raw["parameter_count"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # a torn or foreign file: read transformers again and rewrite it
+    with contextlib.suppress(OSError):  # a read-only cache is still read
+        os.utime(path)  # used now: pruning keeps the recently used
+    return read
 
 
 def _store(path: Path | None, read: MetaState) -> None:
@@ -181,8 +187,19 @@ def _store(path: Path | None, read: MetaState) -> None:
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(body))
         tmp.replace(path)  # atomic: concurrent planners never read half a file
+        _prune(path.parent)
     except OSError:
         pass  # a read-only cache costs time, never correctness
+
+
+def _prune(directory: Path) -> None:
+    """Keep the _MAX_ON_DISK most recently used files (another process may prune at once)."""
+    files = []
+    for f in directory.glob("*.json"):
+        with contextlib.suppress(OSError):
+            files.append((f.stat().st_mtime, f))
+    for _, f in sorted(files, key=lambda x: x[0], reverse=True)[_MAX_ON_DISK:]:
+        f.unlink(missing_ok=True)
 
 
 def _cached(key: str) -> MetaState | None:
