@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -27,6 +26,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.test_doc_commands import run_as_written
+
 pytestmark = pytest.mark.engines
 
 STEPS = 3
@@ -34,14 +35,12 @@ DOCUMENTED = (
     '$V/bin/weightsync demo --source megatron-core --model tiny-qwen3 --src tp=2 --dst "tp=1,replicas=2" '
     "--steps 3 --lr 1e-6 --delta auto --dump /tmp/ws-megatron"
 )
-"""README's command (tests/test_doc_commands.py fails when the text and this differ)."""
-ROOT = Path(__file__).resolve().parents[1]
+"""README's command (test_doc_demos fails when the docs no longer show it as written)."""
 
 
 def _run(command: str) -> subprocess.CompletedProcess[str]:
-    script = f"V={shlex.quote(str(Path(sys.executable).parents[1]))}; {command}"
     started = time.monotonic()
-    proc = subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = run_as_written(command, timeout_s=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     print(f"{command}: {time.monotonic() - started:.1f}s\n{proc.stdout}")
     assert "OK in" in proc.stdout and proc.stdout.count("bit-exact") == STEPS

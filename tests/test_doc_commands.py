@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,16 @@ from sync_runtime.cli import main as cli
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
+VENV = str(Path(sys.executable).parents[1])
+
+
+def run_as_written(command: str, timeout_s: float = 800) -> subprocess.CompletedProcess[str]:
+    """A documented command in bash from the checkout, with `V` set as `V=$(bash tools/venv.sh)`
+    sets it (the engine tests run it; this module only parses and plans)."""
+    script = f"V={shlex.quote(VENV)}; {command}"
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 HOW: dict[str, tuple[str, int]] = {

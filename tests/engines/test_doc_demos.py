@@ -11,29 +11,22 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests import test_demo_megatron_steps
-from tests.test_doc_commands import HOW, ROOT
+from tests.test_doc_commands import HOW, run_as_written
 
 pytestmark = [pytest.mark.engines, pytest.mark.timeout(900)]  # two of the demos train real Megatron-Core
 
-RUN_ELSEWHERE = {test_demo_megatron_steps.DOCUMENTED: test_demo_megatron_steps}
+RUN_ELSEWHERE = {test_demo_megatron_steps.DOCUMENTED}
 """Documented demos another module runs as written (and checks more closely): not run twice."""
 DEMOS = [
     (command, code)
     for command, (kind, code) in HOW.items()
     if kind == "checked" and command not in RUN_ELSEWHERE
 ]
-VENV = str(Path(sys.executable).parents[1])
-
-
-def run_as_written(command: str) -> subprocess.CompletedProcess[str]:
-    script = f"V={shlex.quote(VENV)}; {command}"
-    return subprocess.run(["bash", "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=800)
 
 
 def test_every_documented_demo_is_covered() -> None:
