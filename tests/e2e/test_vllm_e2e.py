@@ -3,13 +3,14 @@
 
 Everything of tests/e2e/test_weightsync_e2e.py is real here too (kube-apiserver and controllers,
 helm, the chart, `kopf run`, the runtime pod's `weightsync run --kubernetes`, Ray with token
-auth). The destination is a Deployment (one replica) whose pod runs `vllm serve` as docs/vllm.md
+auth). The destination is a Deployment of two replicas whose pods run `vllm serve` as docs/vllm.md
 tells users to (the `api_server.entry` module, `VLLM_SERVER_DEV_MODE=1`, `--weight-transfer-config
-'{"backend": "weightsync"}'`, the plugin loaded from the installed package; vLLM 0.32 CPU, TP 2,
-dummy weights) with a readiness probe on `/health`: the test node agent (tests/k8s/node_agent.py)
-runs the pod's command as a local process (image ignored) and turns the pod Ready only once the
-probe passes. The WeightSync selects the pod by label (`destinations[].vllmServers`); the
-runtime pod attaches the server through vLLM's HTTP RL routes. Sources: the demo's
+'{"backend": "weightsync"}'`, the plugin loaded from the installed package; vLLM 0.32 CPU, TP 1,
+dummy weights), each listening on its pod IP, with a readiness probe on `/health`: the test node
+agent (tests/k8s/node_agent.py) runs each pod's command as a local process (image ignored), gives
+each pod a loopback address of its own, and turns a pod Ready only once its probe passes. The
+WeightSync selects the pods by label (`destinations[].vllmServers`): each is one replica of the
+destination; the runtime pod attaches each server through vLLM's HTTP RL routes. Sources: the demo's
 Megatron-layout actors (tp=2) holding shards of the seeded canonical weights of Qwen3 (tied
 embeddings). Oracle: vLLM loaded normally from a checkpoint of those weights, one engine per
 version, started only when the reference cache lacks its outputs
@@ -18,15 +19,16 @@ version, started only when the reference cache lacks its outputs
 
 During each of three syncs (`kubectl apply` of v1 with `pause: keep`; after a training step
 each, one `kubectl patch` of spec.version to v2 and destinations[0].pause to `wait`, then back to
-v1 with `abort`) a client sends requests one after another, alternately to `/v1/completions` and
+v1 with `abort`) a client per server sends requests one after another, alternately to `/v1/completions` and
 `/inference/v1/generate` (whose outputs carry the weight versions they were sampled with)
 (tests/e2e/vllm_client.py): no request may fail; one that the pause of mode `abort` cut short
 (finish_reason "abort") is counted apart. During the two patched syncs long streamed requests run
-back to back besides, so that one is in flight when the server pauses: under `wait` every one runs
-to its length, under `abort` the one in flight ends with "abort" and fewer tokens. The server's
-access log shows it was paused with the spec's mode, and only with it, in each sync (the patched
-mode reaches the running runtime pod's kept proxy; the operator keeps that pod). The status and
-the runtime's last report show the replica serving the version with its pause seconds. The
+back to back besides on each server, so that one is in flight when the server pauses: under `wait`
+every one runs to its length, under `abort` the one in flight ends with "abort" and fewer tokens.
+Each server's access log shows it was paused with the spec's mode, and only with it, in each sync
+(the patched mode reaches the running runtime pod's kept proxies; the operator keeps that pod).
+The status and the runtime's last report show both replicas serving the version with their pause
+seconds. The
 generation compared with the oracle is taken with the clients stopped (a row's logprob bits may
 depend on what shares its engine step).
 
@@ -61,8 +63,20 @@ from helpers import (
     wait_for,
 )
 from ray_cluster import RayCluster
-from vllm_client import LONG_TOKENS, Served, serving_sync
-from vllm_pods import DEPLOYMENT, NS, RAY_NS, SECRET, TP, WS, ReadyWatch, deployment, manifest, server_pods
+from vllm_client import LONG_TOKENS, Load, LongStreams, Served, serving_sync
+from vllm_pods import (
+    DEPLOYMENT,
+    NS,
+    RAY_NS,
+    REPLICAS,
+    SECRET,
+    TP,
+    WS,
+    ReadyWatch,
+    deployment,
+    manifest,
+    server_pods,
+)
 
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.runtime.hf_manifest import build_manifest
@@ -83,17 +97,20 @@ SYNC_TIMEOUT = 240
 
 @dataclass
 class Stack:
-    """The running deployment: the server's URL, what it and the oracle generated, the timings."""
+    """The running deployment: the servers' URLs (replica order), what they and the oracle
+    generated, the timings."""
 
     cluster: RayCluster
     config_path: str
-    url: str
-    dummy: list[dict[str, list]]
+    port: int
+    urls: list[str]
+    dummy: list[list[dict[str, list]]]
+    """Per server, its generation on dummy weights."""
     reference: dict[str, list[dict[str, list]]]
-    initial_label: str
+    initial_labels: list[str]
     unready_while_running: int
-    """Times the server pod was seen running but not Ready (its probe failing while vLLM starts)."""
-    server_log: Callable[[], str]
+    """Times a server pod was seen running but not Ready (its probe failing while vLLM starts)."""
+    server_logs: list[Callable[[], str]]
     seconds: dict[str, Any] = field(default_factory=dict)
 
     def train(self, version: str) -> None:
@@ -187,7 +204,7 @@ def stack(
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Iterator[Stack]:
-    """The server pod and the sources start while helm installs the operator; all removed after."""
+    """The server pods and the sources start while helm installs the operator; all removed after."""
     work = tmp_path_factory.mktemp("vllm-e2e")
     t0 = time.monotonic()
     up, oracles, model_dir = _up(ray_cluster, work)
@@ -205,16 +222,16 @@ def stack(
         got = json.loads(stdout.strip().splitlines()[-1])
         refs = _references(oracles, got["reference"])
         unready, ready_at = ready.result()
-        url = f"http://127.0.0.1:{port}"
-        ready_s = ready_at - t0
-        label = HttpControl(url).version()
-        (pod,) = server_pods(kubectl)
-        log = lambda: node_agent.logs(NS, pod["metadata"]["name"])  # noqa: E731
+        pods = server_pods(kubectl)
+        urls = [f"http://{pod['status']['podIP']}:{port}" for pod in pods]
+        labels = [HttpControl(url).version() for url in urls]
+        logs = [lambda name=pod["metadata"]["name"]: node_agent.logs(NS, name) for pod in pods]
+        dummy = [completions(url) for url in urls]
         config = f"{model_dir}/config.json"
-        stack = Stack(ray_cluster, config, url, completions(url), refs, label, unready, log)
+        stack = Stack(ray_cluster, config, port, urls, dummy, refs, labels, unready, logs)
         stack.seconds["helm install (concurrent)"] = helm_s
         stack.seconds.update({f"up: {k}": round(v, 1) for k, v in got["seconds"].items()})
-        stack.seconds["server pod Ready"] = round(ready_s, 1)
+        stack.seconds["server pods Ready"] = round(ready_at - t0, 1)
         stack.timed("setup", t0)
         yield stack
     finally:
@@ -250,73 +267,84 @@ def _wait_synced(kubectl: Any, version: str) -> dict[str, Any]:
 
 
 def _serving_sync(stack: Stack, kubectl: Any, version: str, apply: Any, *, long: bool) -> Served:
-    """`apply()` (kubectl apply or patch) until Synced at `version`, with the server under load."""
+    """`apply()` (kubectl apply or patch) until Synced at `version`, with every server under load."""
 
     def sync() -> dict[str, Any]:
         apply()
         return _wait_synced(kubectl, version)
 
-    return serving_sync(stack.url, stack.server_log, sync, version, long=long)
+    return serving_sync(stack.urls, stack.server_logs, sync, version, long=long)
 
 
-def _assert_served(served: Served, version: str, mode: str) -> float:
-    """No failed request, some during the sync, none cut short unless the mode is abort; the
-    server paused with `mode` only; the status and the last report show the replica serving
-    `version` and its pause seconds (returned)."""
-    client, status = served.client, served.obj["status"]
-    assert client.failed == 0, client.errors[:3]
-    assert client.during_sync > 0 and not client.is_alive(), (client.requests, client.during_sync)
-    assert set(served.pauses) == {mode}, served.pauses  # the spec's mode reached the server
-    # One request at a time and one pause: at most one cut short, and only by abort (the control).
-    assert client.aborted <= (1 if mode == "abort" else 0), client.aborted
-    assert status["serving"] == "1/1", status
-    (replica,) = status["replicas"]
-    assert replica["deployment"] == DEPLOYMENT and replica["replica"] == 0, replica
-    assert replica["state"] == "Serving" and replica["version"] == version, replica
-    assert 0 < replica["pauseSeconds"] < 60, replica
-    (reported,) = status["runtime"]["lastReport"]["replicas"]
-    assert reported["version"] == version and reported["pauseSeconds"] == replica["pauseSeconds"], reported
-    return float(replica["pauseSeconds"])
+def _assert_served(served: Served, version: str, mode: str) -> list[float]:
+    """Per server: no failed request, some during the sync, none cut short unless the mode is
+    abort, paused with `mode` only. The status and the last report show every replica serving
+    `version` and its pause seconds (returned, in replica order)."""
+    status = served.obj["status"]
+    for load in served.loads:
+        client = load.client
+        assert client.failed == 0, (client.url, client.errors[:3])
+        counts = (client.url, client.requests, client.during_sync)
+        assert client.during_sync > 0 and not client.is_alive(), counts
+        assert set(load.pauses) == {mode}, (client.url, load.pauses)  # the spec's mode reached it
+        # One request at a time and one pause: at most one cut short, and only by abort (the control).
+        assert client.aborted <= (1 if mode == "abort" else 0), (client.url, client.aborted)
+    assert status["serving"] == f"{REPLICAS}/{REPLICAS}", status
+    replicas = sorted(status["replicas"], key=lambda r: r["replica"])
+    assert [(r["deployment"], r["replica"]) for r in replicas] == [(DEPLOYMENT, i) for i in range(REPLICAS)]
+    reported = {r["replica"]: r for r in status["runtime"]["lastReport"]["replicas"]}
+    for replica in replicas:
+        assert replica["state"] == "Serving" and replica["version"] == version, replica
+        assert 0 < replica["pauseSeconds"] < 60, replica
+        report = reported[replica["replica"]]
+        assert report["version"] == version and report["pauseSeconds"] == replica["pauseSeconds"], report
+    return [float(r["pauseSeconds"]) for r in replicas]
 
 
-def test_the_server_pod_turns_ready_only_once_vllm_answers(stack: Stack, kubectl: Any) -> None:
-    """The Deployment's pod runs the documented command; Ready waited for its /health probe."""
-    (pod,) = server_pods(kubectl)
-    assert pod["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet"  # Deployment -> RS -> Pod
+def test_the_server_pods_turn_ready_only_once_vllm_answers(stack: Stack, kubectl: Any) -> None:
+    """The Deployment's pods run the documented command, each on its own address; Ready waited
+    for their /health probes."""
+    pods = server_pods(kubectl)
+    assert len(pods) == REPLICAS and len({p["status"]["podIP"] for p in pods}) == REPLICAS
     assert stack.unready_while_running > 0  # running, probe failing: not Ready yet
-    argv = container_argv(pod)
-    assert Path(argv[0]).parent == Path(sys.executable).parent, argv  # the engine env's python
-    assert argv[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", argv[3]], argv
-    assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "weightsync"}', argv
-    assert HttpControl(stack.url).world_size() == TP
+    for pod, url in zip(pods, stack.urls, strict=True):
+        assert pod["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet"  # Deployment -> RS -> Pod
+        argv = container_argv(pod)
+        assert Path(argv[0]).parent == Path(sys.executable).parent, argv  # the engine env's python
+        assert argv[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", argv[3]], argv
+        assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "weightsync"}', argv
+        assert f"--host={pod['status']['podIP']}" in argv, argv
+        assert HttpControl(url).world_size() == TP
 
 
 def test_the_oracle_tells_the_versions_apart(stack: Stack) -> None:
-    """Negative controls: the dummy server and the two versions generate differently."""
+    """Negative controls: the dummy servers and the two versions generate differently."""
     ref = stack.reference
-    assert len(ref["v1"]) == len(ref["v2"]) == len(stack.dummy) == 4
-    assert rows_equal(stack.dummy, ref["v1"]) == 0 and rows_equal(stack.dummy, ref["v2"]) == 0
+    assert len(ref["v1"]) == len(ref["v2"]) == 4
+    for dummy in stack.dummy:
+        assert len(dummy) == 4
+        assert rows_equal(dummy, ref["v1"]) == 0 and rows_equal(dummy, ref["v2"]) == 0
     assert rows_equal(ref["v1"], ref["v2"]) == 0
-    assert stack.initial_label != "v1"
+    assert "v1" not in stack.initial_labels
 
 
 def test_kubectl_apply_syncs_the_serving_server_bit_for_bit(
     stack: Stack, ray_cluster: RayCluster, kubectl: Any, tmp_path: Path
 ) -> None:
-    """kubectl apply -> Synced while a client sends requests; then the server generates exactly
+    """kubectl apply -> Synced while clients send requests; then each server generates exactly
     like vLLM loaded from the v1 checkpoint."""
     path = tmp_path / "weightsync.yaml"
-    path.write_text(yaml.safe_dump(manifest(ray_cluster.address, int(stack.url.rsplit(":", 1)[1]), "v1")))
+    path.write_text(yaml.safe_dump(manifest(ray_cluster.address, stack.port, "v1")))
     t0 = time.monotonic()
     served = _serving_sync(stack, kubectl, "v1", lambda: kubectl("apply", "-f", str(path)), long=False)
-    obj, client = served.obj, served.client
+    obj = served.obj
     stack.timed("apply -> Synced v1 (runtime pod start included)", t0)
     report = obj["status"]["runtime"]["lastReport"]
     # where the first sync's seconds went (the report's own stages, after the runtime pod started)
     stack.seconds["apply v1: sync seconds"] = round(float(report.get("seconds", 0.0)), 1)
     stack.seconds["apply v1: stages"] = report.get("stages")
     assert obj["spec"]["destinations"][0]["pause"] == "keep"
-    pause = _assert_served(served, "v1", "keep")
+    pauses = _assert_served(served, "v1", "keep")
     assert condition(obj, "RuntimeReady")["status"] == "True"  # type: ignore[index]
     assert condition(obj, "Degraded")["status"] == "False"  # type: ignore[index]
     pods = [p for p in runtime_pods(kubectl, NS, WS) if not p["metadata"].get("deletionTimestamp")]
@@ -327,16 +355,16 @@ def test_kubectl_apply_syncs_the_serving_server_bit_for_bit(
     assert argv[i - 1] == str(Path(sys.executable).parent / "weightsync"), argv
     assert argv[i:] == ["run", "--kubernetes", "--namespace", NS, "--name", WS], argv
 
-    assert HttpControl(stack.url).version() == obj["spec"]["version"] == "v1"
-    rows = completions(stack.url)
-    stack.seconds["apply v1: pause"] = round(pause, 3)
-    stack.seconds["apply v1: requests"] = client.requests
-    assert rows == stack.reference["v1"]  # token ids and every logprob, bit for bit
+    stack.seconds["apply v1: pauses"] = [round(p, 3) for p in pauses]
+    stack.seconds["apply v1: requests"] = [load.client.requests for load in served.loads]
+    for url in stack.urls:
+        assert HttpControl(url).version() == obj["spec"]["version"] == "v1"
+        assert completions(url) == stack.reference["v1"]  # token ids and every logprob, bit for bit
 
 
 def _patch_sync(stack: Stack, kubectl: Any, version: str, pause: str) -> Served:
     """Sources train a step to `version`, one kubectl patch of spec.version and the destination's
-    pause mode -> the same runtime pod syncs it into the serving server with that mode (plan
+    pause mode -> the same runtime pod syncs it into the serving servers with that mode (plan
     cached, no error for the clients)."""
     pod_uid = [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)]
     t0 = time.monotonic()
@@ -354,28 +382,38 @@ def _patch_sync(stack: Stack, kubectl: Any, version: str, pause: str) -> Served:
         lambda: kubectl("patch", "weightsync", WS, "-n", NS, "--type=json", "-p", patch),
         long=True,
     )
-    obj, long = served.obj, served.long
-    assert long is not None and obj["spec"]["destinations"][0]["pause"] == pause
+    obj = served.obj
+    assert obj["spec"]["destinations"][0]["pause"] == pause
     stack.timed(f"train + patch -> Synced {version} (pause {pause})", t0)
-    stack.seconds[f"patch {version}: pause ({pause})"] = round(_assert_served(served, version, pause), 3)
-    stack.seconds[f"patch {version}: requests"] = served.client.requests
-    stack.seconds[f"patch {version}: long requests"] = len(long.ended)
+    pauses = _assert_served(served, version, pause)
+    stack.seconds[f"patch {version}: pauses ({pause})"] = [round(p, 3) for p in pauses]
+    stack.seconds[f"patch {version}: requests"] = [load.client.requests for load in served.loads]
+    stack.seconds[f"patch {version}: long requests"] = [len(_long(load).ended) for load in served.loads]
     assert obj["status"]["lastSync"]["planCached"] is True, obj["status"]["lastSync"]
     assert [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)] == pod_uid, "runtime pod replaced"
-    assert HttpControl(stack.url).version() == version
-    assert not long.errors and not long.unexpected(), (long.errors[:3], long.unexpected())
+    for url, load in zip(stack.urls, served.loads, strict=True):
+        assert HttpControl(url).version() == version
+        long = _long(load)
+        assert not long.errors and not long.unexpected(), (url, long.errors[:3], long.unexpected())
     return served
+
+
+def _long(load: Load) -> LongStreams:
+    assert load.long is not None
+    return load.long
 
 
 def test_kubectl_patch_after_a_training_step_syncs_v2_while_serving(stack: Stack, kubectl: Any) -> None:
     """pause: wait: every request in flight ran to its length, none was cut short."""
     served = _patch_sync(stack, kubectl, "v2", "wait")
-    assert {"v1", "v2"} <= served.client.versions  # served before and after the commit (vLLM's spans)
-    assert served.long is not None and not served.long.aborted  # negative control of the abort below
-    assert [n for _, n in served.long.ended] == [LONG_TOKENS] * len(served.long.ended)
-    rows = completions(stack.url)
-    assert rows == stack.reference["v2"]
-    assert rows_equal(rows, stack.reference["v1"]) == 0  # negative control: the other version's
+    for url, load in zip(stack.urls, served.loads, strict=True):
+        assert {"v1", "v2"} <= load.client.versions, url  # served before and after the commit (vLLM's spans)
+        long = _long(load)
+        assert not long.aborted, url  # negative control of the abort below
+        assert [n for _, n in long.ended] == [LONG_TOKENS] * len(long.ended), url
+        rows = completions(url)
+        assert rows == stack.reference["v2"], url
+        assert rows_equal(rows, stack.reference["v1"]) == 0  # negative control: the other version's
 
 
 def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubectl: Any) -> None:
@@ -383,16 +421,17 @@ def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubect
     bit for bit; the long request in flight at the pause ended there (finish_reason "abort"),
     which the clients count apart, not as a failure."""
     served = _patch_sync(stack, kubectl, "v1", "abort")
-    assert {"v2", "v1"} <= served.client.versions
-    assert served.long is not None
-    # The server paused with abort (_assert_served reads its access log). The long request in
-    # flight then ends there; under load the pause can fall between two long requests, so none
-    # may be cut (one CI-equivalent run of four). tests/engines/test_vllm_server_pause.py proves
-    # the cut itself deterministically.
-    assert len(served.long.aborted) <= 1, served.long.aborted  # one long request at a time
-    assert all(cut < LONG_TOKENS for cut in served.long.aborted)
-    stack.seconds["patch v1: long requests cut"] = len(served.long.aborted)
-    stack.seconds["patch v1: short requests cut"] = served.client.aborted
-    rows = completions(stack.url)
-    assert rows == stack.reference["v1"]
-    assert rows_equal(rows, stack.reference["v2"]) == 0
+    for url, load in zip(stack.urls, served.loads, strict=True):
+        assert {"v2", "v1"} <= load.client.versions, url
+        long = _long(load)
+        # The server paused with abort (_assert_served reads its access log). The long request in
+        # flight then ends there; under load the pause can fall between two long requests, so none
+        # may be cut (one CI-equivalent run of four). tests/engines/test_vllm_server_pause.py proves
+        # the cut itself deterministically.
+        assert len(long.aborted) <= 1, (url, long.aborted)  # one long request at a time
+        assert all(cut < LONG_TOKENS for cut in long.aborted)
+        rows = completions(url)
+        assert rows == stack.reference["v1"], url
+        assert rows_equal(rows, stack.reference["v2"]) == 0
+    stack.seconds["patch v1: long requests cut"] = [len(_long(load).aborted) for load in served.loads]
+    stack.seconds["patch v1: short requests cut"] = [load.client.aborted for load in served.loads]

@@ -1,4 +1,4 @@
-"""Clients of tests/e2e/test_vllm_e2e.py's server pod whose requests are accounted by how they ended.
+"""Clients of tests/e2e/test_vllm_e2e.py's server pods whose requests are accounted by how they ended.
 
 vLLM ends a request in flight at a pause of mode `abort` with finish_reason "abort" (HTTP 200, the
 tokens it had sampled before): for a client that is an answer cut short by design, not a failure,
@@ -8,7 +8,8 @@ so it is counted apart (`aborted`); any other end than the requested length is a
   `/v1/completions` and `/inference/v1/generate` (whose answers carry the weight versions);
 - `LongStreams`: streamed requests of the most tokens the server allows, back to back, so that one
   is in flight whenever the server pauses: under `abort` one of them is cut short;
-- `serving_sync`: a sync with both running, and the server's pauses meanwhile from its log.
+- `serving_sync`: a sync with both running against each server, and each server's pauses meanwhile
+  from its log.
 """
 
 from __future__ import annotations
@@ -136,40 +137,66 @@ class LongStreams(threading.Thread):
 
 
 @dataclass
-class Served:
-    """One sync under load: the WeightSync after it, the clients, the server's pauses meanwhile."""
+class Load:
+    """What one server got during a sync: its clients, and its pauses meanwhile (from its log)."""
 
-    obj: dict[str, Any]
     client: ServingClient
     long: LongStreams | None
     pauses: Counter[str]
 
 
+@dataclass
+class Served:
+    """One sync under load: the WeightSync after it, and each server's load (in `urls`' order)."""
+
+    obj: dict[str, Any]
+    loads: list[Load]
+
+
 def serving_sync(
-    url: str, server_log: Callable[[], str], sync: Callable[[], dict[str, Any]], version: str, *, long: bool
+    urls: list[str],
+    server_logs: list[Callable[[], str]],
+    sync: Callable[[], dict[str, Any]],
+    version: str,
+    *,
+    long: bool,
 ) -> Served:
-    """`sync()` (kubectl apply or patch, then wait until Synced: the WeightSync) while a client keeps
-    sending requests to the server at `url` (and, `long`, long streamed requests run back to back),
-    then until a request was sampled with `version`; the clients are stopped before returning."""
-    before = pause_calls(server_log())
-    client = ServingClient(url)
-    streams = LongStreams(url) if long else None
-    client.start()
+    """`sync()` (kubectl apply or patch, then wait until Synced: the WeightSync) while a client per
+    server keeps sending it requests (and, `long`, long streamed requests run back to back on each),
+    then until each server sampled a request with `version`; the clients are stopped before
+    returning."""
+    before = [pause_calls(log()) for log in server_logs]
+    clients = [ServingClient(url) for url in urls]
+    streams = [LongStreams(url) for url in urls] if long else []
+    for client in clients:
+        client.start()
     try:
-        wait_for("a request served before the sync", lambda: client.requests > 0, 120)
-        if streams is not None:
-            streams.start()
-            wait_for("a long request streaming", streams.streaming.is_set, 120)
-        client.syncing.set()
+        for client in clients:
+            served = lambda c=client: c.requests > 0  # noqa: E731
+            wait_for(f"a request served by {client.url} before the sync", served, 120)
+        for stream in streams:
+            stream.start()
+        for stream in streams:
+            wait_for(f"a long request streaming from {stream.url}", stream.streaming.is_set, 120)
+        for client in clients:
+            client.syncing.set()
         obj = sync()
-        client.syncing.clear()
-        if streams is not None:
-            streams.stop.set()
-        wait_for(f"a request sampled with {version}", lambda: version in client.versions, 120)
+        for client in clients:
+            client.syncing.clear()
+        for stream in streams:
+            stream.stop.set()
+        for client in clients:
+            sampled = lambda c=client: version in c.versions  # noqa: E731
+            wait_for(f"a request of {client.url} sampled with {version}", sampled, 120)
     finally:
-        client.stop.set()
-        if streams is not None and streams.ident is not None:
-            streams.stop.set()
-            streams.join(300)  # its request in flight runs to its end
-        client.join(150)
-    return Served(obj, client, streams, pause_calls(server_log()) - before)
+        for client in clients:
+            client.stop.set()
+        for stream in streams:
+            stream.stop.set()
+            if stream.ident is not None:
+                stream.join(300)  # its request in flight runs to its end
+        for client in clients:
+            client.join(150)
+    pauses = [pause_calls(log()) - b for log, b in zip(server_logs, before, strict=True)]
+    longs: list[LongStreams | None] = list(streams) if long else [None] * len(urls)
+    return Served(obj, [Load(*x) for x in zip(clients, longs, pauses, strict=True)])

@@ -1,7 +1,7 @@
 """Kubernetes objects of tests/e2e/test_vllm_e2e.py: the WeightSync whose destination is
 `vllm serve` pods selected by label, the Deployment of those pods (the server command and
 environment the engine tests' servers use: sync_runtime/testing/vllm_server.py), and waiting
-for the server pod's readiness probe."""
+for the server pods' readiness probes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import condition, get_json, wait_for
+from node_agent import OWN_IP_ANNOTATION
 
 from sync_runtime.testing.vllm_server import serve_args, serve_env
 
@@ -21,9 +22,13 @@ SECRET = "ray-token"
 RAY_NS = "e2e-vllm"
 DEPLOYMENT = "rollout"
 LABELS = {"app": "vllm-rollout"}
-TP = 2
-"""The server's tensor parallelism: two workers in the pod, each one destination rank of the sync
-(the pod's world size, read through `/get_world_size`, must equal the WeightSync's `tp`)."""
+TP = 1
+"""Each server's tensor parallelism (its world size, read through `/get_world_size`, must equal the
+WeightSync's `tp`). The engine tests sync TP 2 servers (tests/engines/test_vllm_server*.py); here
+the point is a Deployment of several pods, and two TP 1 servers start as many vLLM processes as
+one TP 2 server (API server and engine core each, against API server, engine core, two workers)."""
+REPLICAS = 2
+"""The Deployment's pods: each one replica of the destination, ordered by pod name."""
 MAX_MODEL_LEN = 512
 """The server's context: room for the long streamed requests of tests/e2e/vllm_client.py (the tiny
 model's positions); a greedy row's bits do not depend on it."""
@@ -54,7 +59,7 @@ def manifest(address: str, port: int, version: str) -> dict[str, Any]:
                     "layout": "vllm",
                     "vllmServers": {"selector": {"matchLabels": LABELS}, "port": port},
                     "pause": "keep",
-                    "parallelism": {"tp": TP, "replicas": 1},
+                    "parallelism": {"tp": TP, "replicas": REPLICAS},
                 }
             ],
             "transport": {
@@ -69,8 +74,10 @@ def manifest(address: str, port: int, version: str) -> dict[str, Any]:
 
 
 def deployment(model_dir: str, port: int) -> dict[str, Any]:
-    """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them. The node
-    agent runs `command` with the engine env first on PATH (`python` is its interpreter)."""
+    """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them, each
+    listening on its pod IP. The node agent runs `command` with the engine env first on PATH
+    (`python` is its interpreter) and gives each pod a loopback address of its own (the
+    annotation), so that both replicas serve the same port as on a real node."""
     # The engine settings of the tests' servers; not their PYTHONPATH: the plugin comes from the
     # installed package, as in a user's image. On it only the test session's quiet vLLM readers
     # (tests/support/quiet_vllm: a pod serving a steady client would otherwise spin both cores).
@@ -79,8 +86,11 @@ def deployment(model_dir: str, port: int) -> dict[str, Any]:
     container = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process
-        "command": ["python", *serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN)],
-        "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
+        "command": ["python", *_on_pod_ip(serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN))],
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            *({"name": k, "value": v} for k, v in sorted(env.items())),
+        ],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
     }
@@ -89,36 +99,46 @@ def deployment(model_dir: str, port: int) -> dict[str, Any]:
         "kind": "Deployment",
         "metadata": {"name": DEPLOYMENT, "namespace": NS},
         "spec": {
-            "replicas": 1,
+            "replicas": REPLICAS,
             "selector": {"matchLabels": LABELS},
             "template": {
-                "metadata": {"labels": LABELS},
+                "metadata": {"labels": LABELS, "annotations": {OWN_IP_ANNOTATION: "true"}},
                 "spec": {"containers": [container], "terminationGracePeriodSeconds": 3},
             },
         },
     }
 
 
+def _on_pod_ip(args: list[str]) -> list[str]:
+    """The server's arguments listening on the pod's address instead of 127.0.0.1."""
+    assert "--host=127.0.0.1" in args, args
+    return ["--host=$(POD_IP)" if a == "--host=127.0.0.1" else a for a in args]
+
+
 def server_pods(kubectl: Any) -> list[dict[str, Any]]:
+    """The Deployment's pods, ordered by name (the replicas' order)."""
     selector = ",".join(f"{k}={v}" for k, v in LABELS.items())
-    return list((get_json(kubectl, "pods", "-n", NS, "-l", selector) or {}).get("items") or [])
+    pods = (get_json(kubectl, "pods", "-n", NS, "-l", selector) or {}).get("items") or []
+    return sorted(pods, key=lambda p: p["metadata"]["name"])
 
 
-def wait_server_ready(kubectl: Any) -> tuple[dict[str, Any], int]:
-    """The server pod once Ready, and how often it was seen running but not Ready before."""
+def wait_server_ready(kubectl: Any) -> tuple[list[dict[str, Any]], int]:
+    """The server pods once all are Ready, and how often one was seen running but not Ready."""
     unready = 0
 
-    def ready() -> dict[str, Any] | None:
+    def ready() -> list[dict[str, Any]] | None:
         nonlocal unready
-        for pod in server_pods(kubectl):
+        pods, ready = server_pods(kubectl), []
+        for pod in pods:
             found = condition(pod, "Ready")
             if found is not None and found["status"] == "True":
-                return pod
+                ready.append(pod)
+                continue
             statuses = (pod.get("status") or {}).get("containerStatuses") or []
             unready += any("running" in s["state"] for s in statuses)
-        return None
+        return ready if len(ready) == REPLICAS else None
 
-    return wait_for("the vllm serve pod Ready", ready, SERVER_READY_S, interval=1.0), unready
+    return wait_for("the vllm serve pods Ready", ready, SERVER_READY_S, interval=1.0), unready
 
 
 class ReadyWatch(threading.Thread):

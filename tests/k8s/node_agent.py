@@ -22,9 +22,13 @@ chart's pods mount an emptyDir on ``/tmp``, which would hide a checkout under ``
 
 Status is reported like a kubelet: phase, conditions, container states, exit codes,
 termination messages (``terminationMessagePath``, or the log tail for
-``FallbackToLogsOnError``), restart counts, podIP 127.0.0.1; ``restartPolicy`` is honoured with
-a short backoff. A container with a ``readinessProbe`` (``httpGet`` or ``tcpSocket``, on
-127.0.0.1) is Ready only once the probe passes (``initialDelaySeconds``, ``periodSeconds``
+``FallbackToLogsOnError``), restart counts, podIP 127.0.0.1 (the node's processes share its
+network, like ``hostNetwork`` pods); a pod annotated ``OWN_IP_ANNOTATION: "true"`` gets an address
+of its own instead, 127.0.0.N (all of 127/8 is the loopback device), as pods of a real node do:
+the replicas of one Deployment can then listen on the same port, each on its ``status.podIP``
+(``$(POD_IP)`` from the downward API). ``restartPolicy`` is honoured with a short backoff. A
+container with a ``readinessProbe`` (``httpGet`` or ``tcpSocket``, on the pod IP) is Ready only
+once the probe passes (``initialDelaySeconds``, ``periodSeconds``
 capped at 2 s, ``timeoutSeconds``, ``failureThreshold``): a pod whose server is still starting
 stays out of the Ready pods a selector finds. Other probe kinds (``exec``, ``grpc``) and
 liveness/startup probes are not run: such a container is Ready while it runs. When a pod gets a
@@ -61,6 +65,9 @@ from kubernetes import client, config, watch
 from kubernetes.client.rest import ApiException
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+NODE_IP = "127.0.0.1"
+OWN_IP_ANNOTATION = "node-agent.weightsync.test/own-pod-ip"
+"""A pod annotated with it ("true") gets a loopback address of its own (`NodeAgent.own_ip`)."""
 Obj = dict[str, Any]
 
 
@@ -114,6 +121,8 @@ class PodRunner(threading.Thread):
         self.probes: dict[str, Probe] = {}
         self.init_statuses: dict[str, Obj] = {}
         self.phase, self.initialized, self.start_time = "Pending", False, now()
+        own = md.get("annotations", {}).get(OWN_IP_ANNOTATION) == "true"
+        self.ip = agent.own_ip() if own else NODE_IP
 
     # --------------------------------------------------------------------- lifecycle
     def run(self) -> None:
@@ -285,8 +294,8 @@ class PodRunner(threading.Thread):
             "metadata.uid": self.uid,
             "spec.nodeName": self.agent.node,
             "spec.serviceAccountName": spec.get("serviceAccountName", "default"),
-            "status.podIP": "127.0.0.1",
-            "status.hostIP": "127.0.0.1",
+            "status.podIP": self.ip,
+            "status.hostIP": NODE_IP,
         }
         return simple.get(path, "")
 
@@ -431,7 +440,7 @@ class PodRunner(threading.Thread):
             )
         probe = c.get("readinessProbe")
         if probe is not None and ("httpGet" in probe or "tcpSocket" in probe):
-            self.probes[n] = Probe(probe, c.get("ports", []))
+            self.probes[n] = Probe(probe, c.get("ports", []), self.ip)
         st.update(
             state={"running": {"startedAt": now()}},
             ready=n not in self.probes,
@@ -535,10 +544,10 @@ class PodRunner(threading.Thread):
 
         status = {
             "phase": self.phase,
-            "hostIP": "127.0.0.1",
-            "hostIPs": [{"ip": "127.0.0.1"}],
-            "podIP": "127.0.0.1",
-            "podIPs": [{"ip": "127.0.0.1"}],
+            "hostIP": NODE_IP,
+            "hostIPs": [{"ip": NODE_IP}],
+            "podIP": self.ip,
+            "podIPs": [{"ip": self.ip}],
             "startTime": self.start_time,
             "conditions": [
                 cond("PodScheduled", True),
@@ -564,13 +573,13 @@ class PodRunner(threading.Thread):
 
 
 class Probe:
-    """A container's readinessProbe (httpGet or tcpSocket) against the pod IP, 127.0.0.1."""
+    """A container's readinessProbe (httpGet or tcpSocket) against the pod IP."""
 
     PERIOD_CAP_S = 2.0
     """Like the capped grace period: a test waits at most this long past the moment a server answers."""
 
-    def __init__(self, spec: Obj, ports: list[Obj]) -> None:
-        self.spec = spec
+    def __init__(self, spec: Obj, ports: list[Obj], host: str = NODE_IP) -> None:
+        self.spec, self.host = spec, host
         target = spec.get("httpGet") or spec["tcpSocket"]
         port = target["port"]
         if isinstance(port, str) and not port.isdigit():  # a named containerPort (None: none such)
@@ -597,13 +606,13 @@ class Probe:
             return False
         if "tcpSocket" in self.spec:
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=self.timeout):
+                with socket.create_connection((self.host, self.port), timeout=self.timeout):
                     return True
             except OSError:
                 return False
         get = self.spec["httpGet"]
         scheme = str(get.get("scheme", "HTTP")).lower()
-        url = f"{scheme}://127.0.0.1:{self.port}{get.get('path', '/')}"
+        url = f"{scheme}://{self.host}:{self.port}{get.get('path', '/')}"
         headers = {h["name"]: h["value"] for h in get.get("httpHeaders", [])}
         request = urllib.request.Request(url, headers=headers)
         # HTTPS without verification, as a kubelet probes
@@ -710,6 +719,15 @@ class NodeAgent:
         elif runner is None and pod.get("status", {}).get("phase") not in ("Succeeded", "Failed"):
             runner = self.runners[uid] = PodRunner(self, pod)
             runner.start()
+
+    def own_ip(self) -> str:
+        """A loopback address no running pod of this agent holds (127.0.0.2 and up). Called from
+        the watch thread only, which is the one that adds runners."""
+        held = {r.ip for r in self.runners.values() if r.is_alive()}
+        for n in range(2, 255):
+            if (ip := f"127.0.0.{n}") not in held:
+                return ip
+        raise RuntimeError("node-agent: no free loopback address for a pod")
 
     def _labels(self) -> dict[str, str]:
         return {"kubernetes.io/hostname": self.node, "kubernetes.io/os": "linux"}
