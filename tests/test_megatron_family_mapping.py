@@ -1,9 +1,9 @@
 """Which families a Megatron-Core source serves, and the converter's names for the new ones.
 
-Gemma 3 and gpt-oss are refused by `MegatronSource` (and by the test harness's config builder)
-in one line naming the family and what is missing, before any Megatron state is touched. The
-converter's Llama `mlp_bias` biases and Mixtral's checkpoint names are checked on hand-made full
-Megatron tensors (the real-rank proof is tests/engines/test_megatron_families.py).
+Gemma 3 is refused by `MegatronSource` (and by the test harness's config builder) in one line
+naming the family and what is missing, before any Megatron state is touched. The converter's
+Llama `mlp_bias` biases, Mixtral's checkpoint names and gpt-oss's fused experts are checked on
+hand-made full Megatron tensors (the real-rank proof is tests/engines/test_megatron_families.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ pytestmark = pytest.mark.unit
 
 REFUSED = [
     ("tiny-gemma3", "megatron: gemma3_text: Megatron-Core 0.19.2 has no Gemma 3 layer"),
-    ("tiny-gpt-oss", "megatron: gpt_oss: no megatron layout rule for gpt-oss"),
 ]
 
 
@@ -53,8 +52,9 @@ def test_source_and_harness_refuse_before_touching_megatron(preset: str, start: 
         load_model_config("tiny-glm4-moe"),
         load_model_config("tiny-qwen3-moe"),
         load_model_config("tiny-deepseek-v3"),
+        load_model_config("tiny-gpt-oss"),
     ],
-    ids=["llama-mlp-bias", "mixtral", "glm4-moe", "qwen3-moe", "deepseek-v3"],
+    ids=["llama-mlp-bias", "mixtral", "glm4-moe", "qwen3-moe", "deepseek-v3", "gpt-oss"],
 )
 def test_built_families_pass(config: dict) -> None:
     refuse_unsupported_family(config)  # no exception
@@ -94,3 +94,45 @@ def test_mixtral_experts_and_router_get_the_checkpoints_names() -> None:
     dense = to_hf({"decoder.layers.1.mlp.linear_fc1.weight": fc1}, config)
     assert set(dense) == {"model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight"}
     assert not set(dense) & manifest
+
+
+def test_gpt_oss_experts_fuse_interleaved_and_the_rest_keeps_gpt_oss_names() -> None:
+    config = load_model_config("tiny-gpt-oss")  # E=8, Im=64, H=64, nh=8
+    manifest = {t.name: t.shape for t in build_manifest(config).tensors}
+    g = torch.Generator().manual_seed(0)
+    full = {
+        "decoder.layers.2.self_attention.core_attention.softmax_offset": torch.randn(8, generator=g),
+        "decoder.layers.2.self_attention.linear_proj.bias": torch.randn(64, generator=g),
+        "decoder.layers.2.mlp.router.weight": torch.randn(8, 64, generator=g),
+        "decoder.layers.2.mlp.router.bias": torch.randn(8, generator=g),
+    }
+    for e in range(8):
+        x = f"decoder.layers.2.mlp.experts.local_experts.{e}."
+        full[x + "linear_fc1.weight"] = torch.randn(128, 64, generator=g)
+        full[x + "linear_fc1.bias"] = torch.randn(128, generator=g)
+        full[x + "linear_fc2.weight"] = torch.randn(64, 64, generator=g)
+        full[x + "linear_fc2.bias"] = torch.randn(64, generator=g)
+    hf = to_hf(full, config)
+    p = "model.layers.2."
+    fused = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+    want = {f"{p}self_attn.{x}" for x in ("sinks", "o_proj.bias")}
+    want |= {f"{p}mlp.router.{x}" for x in ("weight", "bias")} | {f"{p}mlp.experts.{x}" for x in fused}
+    assert {n: tuple(t.shape) for n, t in hf.items()} == {n: manifest[n] for n in want}
+    assert torch.equal(
+        hf[p + "self_attn.sinks"], full["decoder.layers.2.self_attention.core_attention.softmax_offset"]
+    )
+    assert torch.equal(hf[p + "mlp.router.bias"], full["decoder.layers.2.mlp.router.bias"])
+    for e in (0, 5):
+        x = f"decoder.layers.2.mlp.experts.local_experts.{e}."
+        fc1, bias = full[x + "linear_fc1.weight"], full[x + "linear_fc1.bias"]
+        gate_up = hf[p + "mlp.experts.gate_up_proj"][e]  # (H, 2Im): gate = even columns
+        assert torch.equal(gate_up[:, 0::2], fc1[:64].T) and torch.equal(gate_up[:, 1::2], fc1[64:].T)
+        fused_bias = hf[p + "mlp.experts.gate_up_proj_bias"][e]
+        assert torch.equal(fused_bias[0::2], bias[:64]) and torch.equal(fused_bias[1::2], bias[64:])
+        assert torch.equal(hf[p + "mlp.experts.down_proj"][e], full[x + "linear_fc2.weight"].T)
+        assert torch.equal(hf[p + "mlp.experts.down_proj_bias"][e], full[x + "linear_fc2.bias"])
+    # Control: gate/up not interleaved (Megatron's halves as they are) would be another tensor.
+    assert not torch.equal(
+        hf[p + "mlp.experts.gate_up_proj"][0],
+        full["decoder.layers.2.mlp.experts.local_experts.0.linear_fc1.weight"].T,
+    )

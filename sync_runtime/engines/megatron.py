@@ -15,6 +15,9 @@ the tensor: a name no rule knows (for example a TE-only tensor in a local-spec l
 or dtype the layout does not expect, a vocabulary not padded to a multiple of 128·tp, layers
 whose `layer_number` is not where the PP/VPP split puts them, experts not where EP puts them.
 Families this source cannot serve (`MEGATRON_SOURCE_REFUSES`) are refused first, in one line.
+gpt-oss's expert tensors are reported in the orientation the layout declares them in (the
+checkpoint's, engines/megatron_reorient.py): linear_fc2 as transposed views, linear_fc1 (gate/up
+interleaved) as copies made while a sync reads them, fenced against a step meanwhile.
 A model built with MTP layers (`mtp_num_layers` = the checkpoint's num_nextn_predict_layers)
 holds the manifest's MTP part under `mtp.layers.{i}.*` (layouts/megatron_mtp.py); discovery
 then finds its last stage reporting them (runtime/mtp_side.py).
@@ -22,6 +25,8 @@ then finds its last stage reporting them (runtime/mtp_side.py).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -37,9 +42,11 @@ from sync_runtime.core.models import TENSOR_DTYPES_KEY, model_dims, model_family
 from sync_runtime.core.models.config import mtp_layer_count
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines.megatron_names import LiveTensor, layer_numbers, live_tensors, unwrap
-from sync_runtime.errors import LayoutError
+from sync_runtime.engines.megatron_reorient import ReorientedTensors
+from sync_runtime.errors import LayoutError, SourceChanged
 from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import WeightSyncParticipant, dtype_name
+from sync_runtime.transfer import RankResult
 
 LAYOUTS_BY_SPEC = (NAME, TE_NAME)
 """Megatron-Core's local spec first: on a tie (no stray names either way) it wins."""
@@ -53,14 +60,6 @@ MEGATRON_SOURCE_REFUSES: dict[str, str] = {
     "gemma3_text": "Megatron-Core 0.19.2 has no Gemma 3 layer: TransformerLayer has no norm after "
     "attention or after the MLP (post_attention/pre_feedforward/post_feedforward sandwich norms), "
     "and the local spec's norm refuses (1+w) RMSNorm (layernorm_zero_centered_gamma)",
-    # Megatron-Core 0.19.2 itself builds gpt-oss (softmax_type="learnable" sinks as
-    # core_attention.softmax_offset, add_bias_linear for biased q/k/v/o, router and experts,
-    # quick_gelu with glu_linear_offset=1 and activation_func_clamp_value=7; a tiny gpt-oss
-    # builds on CPU with the local spec): what is missing is ours, a megatron layout rule
-    # (layouts/_rules.py NO_MEGATRON_RULE).
-    "gpt_oss": "no megatron layout rule for gpt-oss: its checkpoint's fused experts "
-    "(E, H, 2Im, gate/up interleaved) are a strided transpose of Megatron's per-expert "
-    "linear_fc1 [gate; up], not a box (Megatron-Core 0.19.2 itself builds the model)",
 }
 """Family -> why a Megatron-Core source refuses it (one line; docs/design.md §4.2)."""
 
@@ -118,6 +117,7 @@ class MegatronSource:
         self.coord, spec = megatron_coord()
         self.spec = ParallelSpec(**{**_spec_fields(spec), "layer_counts": layer_counts})
         self.live: list[LiveTensor] = live_tensors(self.chunks)
+        self.reoriented = ReorientedTensors(model_family(dict(hf_config)), self.live)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.layout = NAME  # until _pick_layout has seen the names
         base = {k: v for k, v in hf_config.items() if k != TENSOR_DTYPES_KEY}
@@ -137,7 +137,8 @@ class MegatronSource:
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        return {t.name: t.tensor for t in self.live}
+        """What the rank reports: its live tensors in the layout's orientation (see module doc)."""
+        return self.reoriented.reported
 
     def participant_args(self) -> dict[str, Any]:
         """Keyword arguments of `WeightSyncParticipant.ws_init` for this rank."""
@@ -198,7 +199,7 @@ class MegatronSource:
 
     def _canonical_dtypes(self, shard: RankShard) -> dict[str, str]:
         """Canonical tensor -> dtype of the local tensor holding it (unknown names refused)."""
-        live = {t.name: t.tensor for t in self.live}
+        live = self.tensors
         expected = {t.name for t in shard.tensors}
         for name in live:
             if name not in expected:
@@ -208,7 +209,7 @@ class MegatronSource:
     def check(self) -> None:
         """Names, shapes and dtypes against the layout; layer and expert placement."""
         shard = self._shard(self._held(self.manifest))
-        live = {t.name: t.tensor for t in self.live}
+        live = self.tensors
         for meta in shard.tensors:
             t = live.get(meta.name)
             if t is None:
@@ -313,6 +314,44 @@ class MegatronSourceParticipant(WeightSyncParticipant):
         self.ws_init(**source.participant_args(), version=version)
         self.ws_source = source
         return source
+
+    def ws_run(self, *args: Any, **kwargs: Any) -> RankResult:
+        """A sync reads the reoriented copies, made now; a step that wrote their live parameters
+        meanwhile fails this rank as a write to any source tensor would (transfer/fence.py)."""
+        source, st = self.ws_source, self._ws_state()
+        if source is None or not source.reoriented.copies:
+            return super().ws_run(*args, **kwargs)
+        with source.reoriented.materialized(st.tensors) as moved:
+            result = super().ws_run(*args, **kwargs)
+        name = moved()
+        if name is None or not result.ok:
+            return result
+        st.kept = None  # the kept bits (delta base) are not what the destinations will commit
+        failure = SourceChanged(
+            f"rank {result.rank}: source tensor {name!r} was written during the sync (a training "
+            "step ran while its shards were read); no destination commits these bytes",
+            rank=result.rank,
+            tensor=name,
+        ).to_failure()
+        return dataclasses.replace(result, ok=False, failure=failure)
+
+    def ws_checksums(self) -> dict[str, str]:
+        with self._ws_materialized():
+            return super().ws_checksums()
+
+    def ws_sha256(self) -> dict[str, str]:
+        with self._ws_materialized():
+            return super().ws_sha256()
+
+    def ws_tensor(self, name: str) -> torch.Tensor:
+        with self._ws_materialized():
+            return super().ws_tensor(name)
+
+    def _ws_materialized(self) -> contextlib.AbstractContextManager[object]:
+        source = self.ws_source
+        if source is None or not source.reoriented.copies:
+            return contextlib.nullcontext()
+        return source.reoriented.materialized(self._ws_state().tensors)
 
     def ws_set_source_version(self, version: str) -> None:
         """The trainer stepped: the live tensors already hold the new weights, name their version."""

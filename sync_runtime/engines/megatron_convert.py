@@ -7,6 +7,9 @@ check what a sync delivered against its output, so a wrong layout rule cannot hi
 MTP layers (`mtp.layers.{i}.*`) become `model.layers.{L+i}.*`; their `embed_tokens` and
 `shared_head.head` are the main embedding and output layer, which Megatron-Core's MTP layers use
 (GPTModel.forward passes `self.embedding` and `self.output_layer` to them).
+gpt-oss: the per-expert tensors are stacked into the checkpoint's fused ones here, with torch.stack
+on a new last dim (gate, up) for the interleaving, written apart from the layout's reorientation
+table (layouts/megatron_gpt_oss.py) so that a wrong table cannot agree with itself.
 """
 
 from __future__ import annotations
@@ -36,22 +39,25 @@ class ExportedShard:
     group_size: int
 
 
+_UNMARKED_TP_SPLITS = {"self_attention.core_attention.softmax_offset": 0}
+"""Parameters split over TP that Megatron-Core does not mark `tensor_model_parallel` (the
+learnable softmax offset holds the rank's heads: DotProductAttention sizes it by
+num_attention_heads_per_partition; its sharded_state_dict splits it on dim 0)."""
+
+
 def export_shards(live: Iterable[LiveTensor]) -> list[ExportedShard]:
     """This rank's tensors as copies (to ship to a driver); TP or expert-TP rank from Megatron."""
     from megatron.core import parallel_state as ps
 
     tp = (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size())
     etp = (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
-    return [
-        ExportedShard(
-            t.global_name,
-            t.tensor.detach().clone(),
-            t.partition_dim,
-            t.partition_stride,
-            *(etp if t.expert else tp),
-        )
-        for t in live
-    ]
+    out = []
+    for t in live:
+        unmarked = next((d for s, d in _UNMARKED_TP_SPLITS.items() if t.global_name.endswith(s)), None)
+        dim = t.partition_dim if unmarked is None else unmarked
+        group = etp if t.expert else tp
+        out.append(ExportedShard(t.global_name, t.tensor.detach().clone(), dim, t.partition_stride, *group))
+    return out
 
 
 def _join(parts: list[ExportedShard]) -> torch.Tensor:
@@ -85,6 +91,8 @@ def gather_full(exports: Iterable[Iterable[ExportedShard]]) -> dict[str, torch.T
 
 _ATTN = {  # Megatron attention suffix (local spec, then TE) -> HF suffix
     "linear_proj.weight": "o_proj.weight",
+    "linear_proj.bias": "o_proj.bias",
+    "core_attention.softmax_offset": "sinks",
     "q_layernorm.weight": "q_norm.weight",
     "k_layernorm.weight": "k_norm.weight",
     "linear_q_down_proj.weight": "q_a_proj.weight",
@@ -105,6 +113,7 @@ _NORMS = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    "mlp.router.bias": "mlp.gate.bias",
     "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
 }
 
@@ -119,6 +128,12 @@ _MTP_OWN = {
 }
 # Dense MLP and shared experts: linear_fc{1,2}.{weight,bias} (biases: Llama's mlp_bias).
 _DENSE_FC = re.compile(r"^(?P<block>mlp\.(?:shared_experts\.)?)(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)$")
+# A routed expert's tensor: local spec `local_experts.{e}.linear_fc{1,2}.{weight,bias}`, or TE grouped
+# `linear_fc{1,2}.{weight,bias}{e}`.
+_EXPERT = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(?P<e>\d+)\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)"
+    r"|(?P<te_fc>linear_fc[12])\.(?P<te_kind>weight|bias)(?P<te>\d+))$"
+)
 # A routed MoE block's tensors in the Qwen/DeepSeek form the rules above produce.
 _MOE_TENSOR = re.compile(r"^(?P<layer>model\.layers\.\d+\.)mlp\.(?P<rest>gate\.weight|experts\.\d+\..+)$")
 
@@ -152,14 +167,10 @@ def _layer_tensor(
     elif (m := _DENSE_FC.match(rest)) is not None:
         fc1 = t if m["fc"] == "linear_fc1" else None
         _mlp(out, h + m["block"], fc1, None if fc1 is not None else t, m["kind"])
-    elif rest.startswith("mlp.experts."):
-        tail = rest.removeprefix("mlp.experts.").removeprefix("local_experts.")
-        if tail[0].isdigit():  # local spec: {e}.linear_fc{1,2}.weight
-            e, _, which = tail.partition(".")
-        else:  # TE grouped: linear_fc{1,2}.weight{e}
-            which, e = tail[: len("linear_fcN.weight")], tail[len("linear_fcN.weight") :]
-        fc1 = t if which.startswith("linear_fc1") else None
-        _mlp(out, f"{h}mlp.experts.{e}.", fc1, None if fc1 is not None else t)
+    elif (m := _EXPERT.match(rest)) is not None:  # local spec, or TE grouped
+        e, fc, kind = m["e"] or m["te"], m["fc"] or m["te_fc"], m["kind"] or m["te_kind"]
+        fc1 = t if fc == "linear_fc1" else None
+        _mlp(out, f"{h}mlp.experts.{e}.", fc1, None if fc1 is not None else t, kind)
     else:
         raise ValueError(f"decoder layer tensor {rest!r}: no HF counterpart known")
 
@@ -202,7 +213,34 @@ def to_hf(full: Mapping[str, torch.Tensor], hf_config: Mapping[str, Any]) -> dic
         h = f"model.layers.{d.num_layers + i}."
         out[h + "embed_tokens.weight"] = out["model.embed_tokens.weight"]
         out[h + "shared_head.head.weight"] = out.get("lm_head.weight", out["model.embed_tokens.weight"])
+    if d.fused_experts:
+        return _fused_experts(out, d.num_layers + len(mtp_layers), d.num_experts)
     return _checkpoint_moe_names(out, d.family)
+
+
+def _fused_experts(out: dict[str, torch.Tensor], layers: int, experts: int) -> dict[str, torch.Tensor]:
+    """gpt-oss's checkpoint form: per layer, experts stacked into gate_up_proj (E, H, 2Im) with
+    gate/up interleaved on the last dim (gate = [..., 0::2]), gate_up_proj_bias (E, 2Im),
+    down_proj (E, Im, H) = the transposed down weights, down_proj_bias (E, H); the router keeps
+    gpt-oss's name `mlp.router`."""
+    fused = dict(out)
+    for i in range(layers):
+        p = f"model.layers.{i}.mlp."
+        if f"{p}experts.0.gate_proj.weight" not in out:
+            continue
+        per = [{k: fused.pop(f"{p}experts.{e}.{k}") for k in _EXPERT_KEYS} for e in range(experts)]
+        pairs = [torch.stack([x["gate_proj.weight"].T, x["up_proj.weight"].T], dim=-1) for x in per]
+        fused[f"{p}experts.gate_up_proj"] = torch.stack([w.flatten(-2) for w in pairs])
+        bias = [torch.stack([x["gate_proj.bias"], x["up_proj.bias"]], dim=-1).flatten() for x in per]
+        fused[f"{p}experts.gate_up_proj_bias"] = torch.stack(bias)
+        fused[f"{p}experts.down_proj"] = torch.stack([x["down_proj.weight"].T for x in per]).contiguous()
+        fused[f"{p}experts.down_proj_bias"] = torch.stack([x["down_proj.bias"] for x in per])
+        for kind in ("weight", "bias"):
+            fused[f"{p}router.{kind}"] = fused.pop(f"{p}gate.{kind}")
+    return fused
+
+
+_EXPERT_KEYS = tuple(f"{x}_proj.{k}" for x in ("gate", "up", "down") for k in ("weight", "bias"))
 
 
 def _checkpoint_moe_names(out: dict[str, torch.Tensor], family: str) -> dict[str, torch.Tensor]:

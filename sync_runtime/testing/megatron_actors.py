@@ -106,6 +106,34 @@ class MegatronTrainer(MegatronSourceParticipant):
                     if p.dim() == 1:
                         p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
 
+    def randomize_vectors(self, seed: int) -> None:
+        """As `randomize_norms`, but a 1-D parameter split over TP (or expert TP) gets this rank's
+        share of one full random vector: TP ranks differ, so a sync that took a split bias or
+        the sinks from the wrong rank would show (replicas of a shard still agree)."""
+        from megatron.core import parallel_state as ps
+
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for chunk in self.chunks:
+                for name, p in chunk.named_parameters():
+                    if p.dim() != 1:
+                        continue
+                    split = getattr(p, "tensor_model_parallel", False) or name.endswith("softmax_offset")
+                    rank, size = (0, 1)
+                    if split and ".mlp.experts." in name:
+                        rank, size = (
+                            ps.get_expert_tensor_parallel_rank(),
+                            ps.get_expert_tensor_parallel_world_size(),
+                        )
+                    elif split:  # the learnable softmax offset holds the rank's heads, unmarked
+                        rank, size = (
+                            ps.get_tensor_model_parallel_rank(),
+                            ps.get_tensor_model_parallel_world_size(),
+                        )
+                    n = p.shape[0]
+                    full = 1 + 0.3 * torch.randn(n * size, generator=g)
+                    p.copy_(full[rank * n : (rank + 1) * n])
+
     def randomize_expert_bias(self, seed: int) -> int:
         """The router's fp32 `expert_bias` buffers start at 0, which every dtype holds exactly:
         give them values bf16 cannot hold, so a narrowed copy anywhere would show. Returns how
@@ -121,10 +149,12 @@ class MegatronTrainer(MegatronSourceParticipant):
         return count
 
     def scramble(self, name: str) -> None:
-        """Negative control: reverse the rows of one live tensor in place."""
+        """Negative control: reverse the rows of one live parameter in place (the model's own
+        tensor: for gpt-oss's experts, not the reoriented form the rank reports)."""
+        assert self.ws_source is not None
+        live = {t.name: t.tensor for t in self.ws_source.live}
         with torch.no_grad():
-            t = self._ws_state().tensors[name]
-            t.copy_(t.flip(0))
+            live[name].copy_(live[name].flip(0))
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Forward of a TP1/PP1 model (equivalence tests), fp32 logits over the real vocabulary."""

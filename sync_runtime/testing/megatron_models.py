@@ -1,11 +1,14 @@
 """Real Megatron-Core GPT models from a Hugging Face config, on CPU over gloo (demo, tests, bench).
 
 `megatron_config` maps the config.json fields of the families Megatron-Core builds (llama/
-qwen2/qwen3 with or without Llama's mlp_bias, qwen3_moe, mixtral, glm4_moe, deepseek_v3) onto a
-TransformerConfig for the local spec; `build_chunks` builds one GPTModel per VPP chunk with
-Megatron's seeded initialisation. gemma3_text and gpt_oss are refused in one line
+qwen2/qwen3 with or without Llama's mlp_bias, qwen3_moe, mixtral, glm4_moe, deepseek_v3, gpt_oss)
+onto a TransformerConfig for the local spec; `build_chunks` builds one GPTModel per VPP chunk with
+Megatron's seeded initialisation. gemma3_text is refused in one line
 (engines.megatron.MEGATRON_SOURCE_REFUSES says why). The CPU workarounds live in
-`sync_runtime.engines.megatron_cpu`.
+`sync_runtime.engines.megatron_cpu`. gpt-oss's forward does not run on CPU (its sliding-window
+layers' mask: megatron/core/transformer/utils.py get_sliding_window_causal_mask allocates on
+"cuda") and is built with plain RoPE (TransformerConfig has no YaRN fields): its weights, which is
+what a sync moves, are gpt-oss's.
 """
 
 from __future__ import annotations
@@ -77,6 +80,26 @@ def _moe(d: ModelDims, config: Mapping[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _gpt_oss(config: Mapping[str, Any]) -> dict[str, Any]:
+    """gpt-oss in Megatron-Core's own terms: biased q/k/v/o, router and experts; learnable sinks
+    (`core_attention.softmax_offset`); HF's clamped GLU `(up + 1) * gate * sigmoid(1.702 * gate)`
+    = quick_gelu with glu_linear_offset=1 and the clamp at swiglu_limit; sliding-window layers
+    where `layer_types` says so (Megatron's per-layer list, 1 = windowed)."""
+    from megatron.core.activations import quick_gelu
+
+    types = list(config.get("layer_types") or [])
+    return {
+        "add_bias_linear": True,
+        "add_qkv_bias": True,
+        "softmax_type": "learnable",
+        "activation_func": quick_gelu,
+        "glu_linear_offset": 1.0,
+        "activation_func_clamp_value": float(config.get("swiglu_limit") or 7.0),
+        "window_size": (int(config["sliding_window"]), 0) if types else None,
+        "window_attn_skip_freq": [int(t == "sliding_attention") for t in types] or None,
+    }
+
+
 def stage_sizes(spec: ParallelSpec) -> dict[str, int]:
     """Explicit uneven PP stages as Megatron-Core's own settings: a first and a last stage size,
     the stages between equal (TopologyError for any other split)."""
@@ -135,6 +158,8 @@ def megatron_config(
     }
     if d.moe_layers:
         kw.update(_moe(d, config))
+    if d.family == "gpt_oss":
+        kw.update(_gpt_oss(config))
     if not d.mla:
         return TransformerConfig(**kw)
     kw.update(

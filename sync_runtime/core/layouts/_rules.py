@@ -24,10 +24,6 @@ LM_HEAD = "lm_head.weight"
 FINAL_NORM = "model.norm.weight"
 TOP_LEVEL = frozenset({EMBED, LM_HEAD, FINAL_NORM})
 EXPERT_SUFFIXES = frozenset({"gate_proj.weight", "up_proj.weight", "down_proj.weight"})
-NO_MEGATRON_RULE = (
-    "gpt-oss's fused experts (E, H, 2Im), gate/up interleaved, are no box of linear_fc1 [gate; up]"
-)
-"""Why the megatron layouts refuse gpt-oss: one piece maps a box, not a strided transpose."""
 
 
 def part(n: int, t: int, r: int) -> Range:

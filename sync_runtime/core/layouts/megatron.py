@@ -40,7 +40,8 @@ The `chunk{c}.` name prefix (v > 1) is OUR convention: Megatron keeps chunks as 
 GPTModel objects in a list, without a prefix; the engine adds it.
 EP/ETP ranks come from the reported coordinate (coord.ep_rank, coord.etp_rank); DP ranks and
 expert-DP ranks hold identical copies. The split itself: layouts/megatron_stages.py.
-MTP layers (a `Manifest.with_mtp()`, GPTModel.mtp): layouts/megatron_mtp.py.
+MTP layers (a `Manifest.with_mtp()`, GPTModel.mtp): layouts/megatron_mtp.py. gpt-oss's fused
+experts (local spec only), held in the checkpoint's orientation: layouts/megatron_gpt_oss.py.
 """
 
 from __future__ import annotations
@@ -48,12 +49,11 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from sync_runtime.core.layouts import megatron_mtp
+from sync_runtime.core.layouts import megatron_gpt_oss, megatron_mtp
 from sync_runtime.core.layouts._rules import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
-    NO_MEGATRON_RULE,
     LayerView,
     ModelView,
     RuleLayout,
@@ -118,7 +118,12 @@ _FULL = {
     "self_attn.k_norm.weight": "self_attention.k_layernorm.weight",
     "mlp.gate.weight": "mlp.router.weight",
     "mlp.gate.e_score_correction_bias": "mlp.router.expert_bias",
+    "mlp.router.weight": "mlp.router.weight",  # gpt-oss's router, biased (add_bias_linear)
+    "mlp.router.bias": "mlp.router.bias",
+    "self_attn.o_proj.bias": "self_attention.linear_proj.bias",  # RowParallelLinear: whole
 }
+# Canonical suffix -> Megatron suffix for per-head tensors (rows r-th of t: the rank's heads).
+_HEADS = {"self_attn.sinks": "self_attention.core_attention.softmax_offset"}
 # Canonical suffix -> Megatron suffix for column-parallel (rows r-th of t) tensors.
 _ROWS = {
     "self_attn.q_b_proj.weight": "self_attention.linear_q_up_proj.weight",
@@ -162,7 +167,8 @@ def _divisible(n: int, t: int, subject: str, what: str, layout: str) -> None:
 def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
     d, t, name = view.dims, spec.tp, naming.layout
     require(not d.sandwich_norms, name, d.model_type, "no Megatron-Core layer spec holds Gemma 3's norms")
-    require(not d.fused_experts, name, d.model_type, NO_MEGATRON_RULE)
+    if d.fused_experts:
+        megatron_gpt_oss.check(naming is TE, name, d.model_type, spec)
     try:
         chunk_ranges(d.num_layers, spec)
     except TopologyError as e:
@@ -184,17 +190,13 @@ def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
     if len(d.moe_layers) < d.num_layers:
         _divisible(d.intermediate, t, "mlp.gate_proj.weight", "I", name)
     if d.moe_layers:
+        e, im = d.num_experts, d.moe_intermediate
+        require(e % spec.ep == 0, name, "mlp.experts", f"E={e} not divisible by ep={spec.ep}")
         require(
-            d.num_experts % spec.ep == 0,
-            name,
-            "mlp.experts",
-            f"E={d.num_experts} not divisible by ep={spec.ep}",
-        )
-        require(
-            d.moe_intermediate % spec.etp == 0,
+            im % spec.etp == 0,
             name,
             "mlp.experts.gate_proj.weight",
-            f"Im={d.moe_intermediate} not divisible by etp={spec.etp}",
+            f"Im={im} not divisible by etp={spec.etp}",
         )
         require(
             (t * spec.cp * spec.dp) % (spec.ep * spec.etp) == 0,
@@ -216,9 +218,9 @@ def _validate(view: ModelView, spec: ParallelSpec, naming: Naming) -> None:
 
 # Layer rules read the same tensors on every rank; coverage is proven once, on this coordinate.
 _ZERO = RankCoord(role=Role.SOURCE)
-Slot = tuple[int, int, str, LayerView]
+Slot = tuple[int, int, str, LayerView, tuple[TensorMeta, ...]]
 """Where a layer's routed experts go in its stage's shard: the tensor and piece counts before
-them, the layer's name prefix, the layer."""
+them, the layer's name prefix, the layer, its fused experts (gpt-oss; else empty)."""
 Stage = tuple[RankShard, list[Slot]]
 
 
@@ -274,6 +276,9 @@ def _attention(
     else:
         out.full(dense["input_layernorm.weight"], p + naming.input_norm)
         _qkv(out, view, p, dense, t, r)
+        for canon, local in _HEADS.items():
+            if canon in dense:
+                out.split(dense[canon], p + local, 0, t, r)
     out.split(dense["self_attn.o_proj.weight"], f"{p}self_attention.linear_proj.weight", 1, t, r)
 
 
@@ -329,8 +334,9 @@ def _layer(
                 _fc1(out, f"{p}{sub}linear_fc1.{kind}", gate, up, t, r)
                 dim, parts, index = (1, t, r) if kind == "weight" else (0, 1, 0)
                 out.split(down, f"{p}{sub}linear_fc2.{kind}", dim, parts, index)
-    if layer.experts:
-        slots.append((len(out.tensors), len(out.pieces), p, layer))
+    fused = tuple(dense[s] for s in megatron_gpt_oss.FUSED) if view.dims.fused_experts else ()
+    if layer.experts or fused:
+        slots.append((len(out.tensors), len(out.pieces), p, layer, fused))
     for canon, local in _FULL.items():
         if canon in dense:
             out.full(dense[canon], p + local)
@@ -381,10 +387,13 @@ def _build(spec: ParallelSpec, coord: RankCoord, naming: Naming, stage: Stage) -
     dense, slots = stage
     out = ShardBuilder()
     t0 = p0 = 0
-    for t1, p1, prefix, layer in slots:
+    for t1, p1, prefix, layer, fused in slots:
         out.tensors.extend(dense.tensors[t0:t1])
         out.pieces.extend(dense.pieces[p0:p1])
-        _experts(out, prefix, layer, spec, coord, naming)
+        if fused:
+            megatron_gpt_oss.experts(out, prefix, fused, spec, coord)
+        else:
+            _experts(out, prefix, layer, spec, coord, naming)
         t0, p0 = t1, p1
     out.tensors.extend(dense.tensors[t0:])
     out.pieces.extend(dense.pieces[p0:])
