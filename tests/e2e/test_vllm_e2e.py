@@ -35,12 +35,18 @@ depend on what shares its engine step).
 Runs in `make test-engines` (vllm, Ray and this project in the engine env; `make test`'s
 project venv has no vLLM and ignores this file). The Ray side runs in subprocess drivers
 (tests/e2e/vllm_driver.py): the pytest process already drives the engine tests' own cluster.
+Between the first two syncs replica 1's server crashes (SIGKILL to its container's processes):
+its container restarts, the server comes back on its checkpoint (dummy) weights, and the patched
+sync to v2 brings it there with replica 0 (a new destination process: planned anew).
+
 The tests share one release, one Deployment and one WeightSync and run in file order.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -108,6 +114,8 @@ class Stack:
     """Per server, its generation on dummy weights."""
     reference: dict[str, list[dict[str, list]]]
     initial_labels: list[str]
+    labels: list[str]
+    """Per server, the weight version it serves before the next sync (a crash resets it)."""
     unready_while_running: int
     """Times a server pod was seen running but not Ready (its probe failing while vLLM starts)."""
     server_logs: list[Callable[[], str]]
@@ -228,7 +236,7 @@ def stack(
         logs = [lambda name=pod["metadata"]["name"]: node_agent.logs(NS, name) for pod in pods]
         dummy = [completions(url) for url in urls]
         config = f"{model_dir}/config.json"
-        stack = Stack(ray_cluster, config, port, urls, dummy, refs, labels, unready, logs)
+        stack = Stack(ray_cluster, config, port, urls, dummy, refs, labels, list(labels), unready, logs)
         stack.seconds["helm install (concurrent)"] = helm_s
         stack.seconds.update({f"up: {k}": round(v, 1) for k, v in got["seconds"].items()})
         stack.seconds["server pods Ready"] = round(ready_at - t0, 1)
@@ -360,12 +368,44 @@ def test_kubectl_apply_syncs_the_serving_server_bit_for_bit(
     for url in stack.urls:
         assert HttpControl(url).version() == obj["spec"]["version"] == "v1"
         assert completions(url) == stack.reference["v1"]  # token ids and every logprob, bit for bit
+    stack.labels = ["v1"] * REPLICAS
 
 
-def _patch_sync(stack: Stack, kubectl: Any, version: str, pause: str) -> Served:
+def test_a_server_killed_between_syncs_comes_back_on_its_checkpoint(stack: Stack, kubectl: Any) -> None:
+    """A crash of replica 1's server between syncs (SIGKILL to every process of its container, as
+    an OOM kill would): the node agent restarts the container (the Deployment's restartPolicy
+    Always), the server comes back on its checkpoint (dummy) weights under its initial weight
+    version, generating as before the first sync, while replica 0 keeps serving v1. The next
+    test's sync brings both to v2 (the runtime attaches the restarted server anew)."""
+    victim = server_pods(kubectl)[1]
+    pid = int(victim["status"]["containerStatuses"][0]["containerID"].removeprefix("local://"))
+    t0 = time.monotonic()
+    os.killpg(pid, signal.SIGKILL)  # the node agent starts each container in a session of its own
+
+    def restarted() -> dict[str, Any] | None:
+        pod = server_pods(kubectl)[1]
+        status = pod["status"]["containerStatuses"][0]
+        ready = condition(pod, "Ready")
+        up = status["restartCount"] == 1 and ready is not None and ready["status"] == "True"
+        return pod if up else None
+
+    pod = wait_for("replica 1's server restarted and Ready", restarted, 600, interval=1.0)
+    stack.timed("replica 1 killed -> Ready again", t0)
+    assert pod["metadata"]["uid"] == victim["metadata"]["uid"]  # the same pod: its container restarted
+    url = stack.urls[1]
+    assert HttpControl(url).version() == stack.initial_labels[1] != "v1"
+    rows = completions(url)
+    assert rows == stack.dummy[1]  # its checkpoint's weights, as before the first sync
+    assert rows_equal(rows, stack.reference["v1"]) == 0
+    assert completions(stack.urls[0]) == stack.reference["v1"]  # the other replica untouched
+    stack.labels[1] = stack.initial_labels[1]
+
+
+def _patch_sync(stack: Stack, kubectl: Any, version: str, pause: str, *, plan_cached: bool) -> Served:
     """Sources train a step to `version`, one kubectl patch of spec.version and the destination's
-    pause mode -> the same runtime pod syncs it into the serving servers with that mode (plan
-    cached, no error for the clients)."""
+    pause mode -> the same runtime pod syncs it into the serving servers with that mode (no error
+    for the clients). `plan_cached`: whether that pod reused its plan (not after a server was
+    replaced: a restarted server is a new destination process, attached and planned anew)."""
     pod_uid = [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)]
     t0 = time.monotonic()
     stack.train(version)
@@ -389,7 +429,7 @@ def _patch_sync(stack: Stack, kubectl: Any, version: str, pause: str) -> Served:
     stack.seconds[f"patch {version}: pauses ({pause})"] = [round(p, 3) for p in pauses]
     stack.seconds[f"patch {version}: requests"] = [load.client.requests for load in served.loads]
     stack.seconds[f"patch {version}: long requests"] = [len(_long(load).ended) for load in served.loads]
-    assert obj["status"]["lastSync"]["planCached"] is True, obj["status"]["lastSync"]
+    assert obj["status"]["lastSync"]["planCached"] is plan_cached, obj["status"]["lastSync"]
     assert [p["metadata"]["uid"] for p in runtime_pods(kubectl, NS, WS)] == pod_uid, "runtime pod replaced"
     for url, load in zip(stack.urls, served.loads, strict=True):
         assert HttpControl(url).version() == version
@@ -404,23 +444,26 @@ def _long(load: Load) -> LongStreams:
 
 
 def test_kubectl_patch_after_a_training_step_syncs_v2_while_serving(stack: Stack, kubectl: Any) -> None:
-    """pause: wait: every request in flight ran to its length, none was cut short."""
-    served = _patch_sync(stack, kubectl, "v2", "wait")
-    for url, load in zip(stack.urls, served.loads, strict=True):
-        assert {"v1", "v2"} <= load.client.versions, url  # served before and after the commit (vLLM's spans)
+    """pause: wait: every request in flight ran to its length, none was cut short. The restarted
+    replica 1 is brought from its checkpoint to v2 in the same sync as replica 0 from v1."""
+    before = list(stack.labels)
+    served = _patch_sync(stack, kubectl, "v2", "wait", plan_cached=False)
+    for url, load, label in zip(stack.urls, served.loads, before, strict=True):
+        assert {label, "v2"} <= load.client.versions, url  # served before and after the commit (vLLM's spans)
         long = _long(load)
         assert not long.aborted, url  # negative control of the abort below
         assert [n for _, n in long.ended] == [LONG_TOKENS] * len(long.ended), url
         rows = completions(url)
         assert rows == stack.reference["v2"], url
         assert rows_equal(rows, stack.reference["v1"]) == 0  # negative control: the other version's
+    stack.labels = ["v2"] * REPLICAS
 
 
 def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubectl: Any) -> None:
     """A second patch, pause: abort: the sources go back to v1's weights, and so does the server,
     bit for bit; the long request in flight at the pause ended there (finish_reason "abort"),
     which the clients count apart, not as a failure."""
-    served = _patch_sync(stack, kubectl, "v1", "abort")
+    served = _patch_sync(stack, kubectl, "v1", "abort", plan_cached=True)
     for url, load in zip(stack.urls, served.loads, strict=True):
         assert {"v2", "v1"} <= load.client.versions, url
         long = _long(load)
