@@ -141,7 +141,7 @@ REAL = [
     ("glm-4.5-air", "megatron", "tp=4,pp=2,dp=4,ep=8", "tp=8,ep=8"),
     # No Megatron-Core layer spec holds Gemma 3's sandwich norms: an HF-layout (FSDP-style) source.
     ("gemma-3-27b", "hf", "tp=8,pp=2", "tp=8"),
-    # No megatron rule for gpt-oss's interleaved fused experts (see below): an HF-layout source.
+    # gpt-oss from an HF-layout source (a megatron one plans too: tests/test_megatron_gpt_oss_layout.py).
     ("gpt-oss-20b", "hf", "tp=4,pp=2,dp=2,ep=4", "tp=8,ep=8"),
     ("gpt-oss-20b", "hf", "tp=8", "tp=4,replicas=2"),
 ]

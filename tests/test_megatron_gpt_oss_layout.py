@@ -4,13 +4,14 @@ The Megatron-Core side is written here from Megatron's own definition (Sequentia
 `linear_fc1` = [gate rows; up rows] of the rank's Im range, `linear_fc2` = down's columns, biases
 alike), sliced out of the checkpoint's fused tensors with explicit numpy indexing, never from
 pieces or from the table; the layout's local tensors (materialize) must equal the table's
-reorientation of those live tensors, on every rank of a grid. The real-rank proof is
-tests/engines/test_megatron_families.py.
+reorientation of those live tensors, on every rank of a grid; gpt-oss-20b plans from a megatron
+source at the lower bound. The real-rank proof is tests/engines/test_megatron_families.py.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sync_runtime.cli import main as cli
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.layouts.materialize import materialize
 from sync_runtime.core.layouts.megatron_gpt_oss import (
@@ -228,3 +230,27 @@ def test_a_rank_reports_views_and_copies_only_while_read() -> None:
     with rank.materialized(registered) as moved:
         fc1.tensor.add_(1)
         assert moved() == fc1.name
+
+
+def test_real_gpt_oss_plans_from_a_megatron_source_at_the_lower_bound(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    src, dst = "tp=4,pp=2,dp=2,ep=4", "tp=8,ep=8"
+    argv = [
+        "plan",
+        "--model",
+        "gpt-oss-20b",
+        "--src-layout",
+        "megatron",
+        "--src",
+        src,
+        "--dst",
+        dst,
+        "--json",
+    ]
+    code = cli.main(argv)
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    summary = json.loads(out.out)
+    assert summary["model_bytes"] == build_manifest(load_model_config("gpt-oss-20b")).nbytes
+    assert summary["wire_bytes"] == summary["lower_bound_bytes"]

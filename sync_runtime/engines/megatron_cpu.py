@@ -52,6 +52,28 @@ def tensor_cuda_noop(active: bool) -> Iterator[None]:
         torch.Tensor.cuda = original  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def sliding_window_mask_on_cpu() -> Iterator[None]:
+    """Sliding-window layers (gpt-oss) build their mask in the local spec's softmax with
+    `get_sliding_window_causal_mask`, which allocates on "cuda": the same mask on the CPU while
+    a forward runs."""
+    from megatron.core.fusions import fused_softmax
+
+    original = fused_softmax.get_sliding_window_causal_mask
+
+    def on_cpu(sq: int, skv: int, window_size: tuple[int, int]) -> torch.Tensor:
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        return ~torch.tril(
+            torch.triu(m, diagonal=skv - sq - window_size[0]), diagonal=skv - sq + window_size[1]
+        )
+
+    fused_softmax.get_sliding_window_causal_mask = on_cpu
+    try:
+        yield
+    finally:
+        fused_softmax.get_sliding_window_causal_mask = original
+
+
 def causal_mask(seq_len: int) -> torch.Tensor:
     """`get_default_causal_mask` allocates on "cuda": pass the mask instead (True = masked)."""
     return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), diagonal=1)[None, None]

@@ -161,7 +161,7 @@ class MegatronTrainer(MegatronSourceParticipant):
         seq = tokens.shape[1]
         pos = torch.arange(seq)[None].expand_as(tokens)
         model = self.chunks[0].eval()
-        with torch.no_grad():
+        with torch.no_grad(), megatron_cpu.sliding_window_mask_on_cpu():
             out = model(tokens, pos, megatron_cpu.causal_mask(seq))
         return out[..., : int(self.config["vocab_size"])].float()
 

@@ -5,10 +5,9 @@ qwen2/qwen3 with or without Llama's mlp_bias, qwen3_moe, mixtral, glm4_moe, deep
 onto a TransformerConfig for the local spec; `build_chunks` builds one GPTModel per VPP chunk with
 Megatron's seeded initialisation. gemma3_text is refused in one line
 (engines.megatron.MEGATRON_SOURCE_REFUSES says why). The CPU workarounds live in
-`sync_runtime.engines.megatron_cpu`. gpt-oss's forward does not run on CPU (its sliding-window
-layers' mask: megatron/core/transformer/utils.py get_sliding_window_causal_mask allocates on
-"cuda") and is built with plain RoPE (TransformerConfig has no YaRN fields): its weights, which is
-what a sync moves, are gpt-oss's.
+`sync_runtime.engines.megatron_cpu` (gpt-oss's forward needs `sliding_window_mask_on_cpu`).
+gpt-oss is built with plain RoPE, not its YaRN (TransformerConfig has no YaRN fields; no weight
+depends on it): the forward-equivalence test tells transformers the same.
 """
 
 from __future__ import annotations
@@ -95,7 +94,9 @@ def _gpt_oss(config: Mapping[str, Any]) -> dict[str, Any]:
         "activation_func": quick_gelu,
         "glu_linear_offset": 1.0,
         "activation_func_clamp_value": float(config.get("swiglu_limit") or 7.0),
-        "window_size": (int(config["sliding_window"]), 0) if types else None,
+        # transformers keeps kv > q - sliding_window (the query and sliding_window - 1 before it);
+        # Megatron's window (left, 0) keeps kv >= q - left.
+        "window_size": (int(config["sliding_window"]) - 1, 0) if types else None,
         "window_attn_skip_freq": [int(t == "sliding_attention") for t in types] or None,
     }
 

@@ -4,10 +4,9 @@ Llama with `mlp_bias`, Mixtral, GLM-4.5 (`glm4_moe`) and gpt-oss are built by Me
 their tiny presets with seeded weights and synced to blank vLLM-layout destinations; every
 destination rank is checked bit for bit against canonical HF tensors converted from the Megatron
 shards by their own split attributes (`engines.megatron_convert`), with a scrambled-weight control
-each. For all but gpt-oss the converted tensors give transformers' own model the Megatron model's
-logits; gpt-oss's Megatron forward does not run on CPU (its sliding-window mask is allocated on
-"cuda" by megatron/core/transformer/utils.py get_sliding_window_causal_mask), so it has no such
-check. Gemma 3 is refused by the trainer in one line (engines.megatron.MEGATRON_SOURCE_REFUSES).
+each, and the converted tensors give transformers' own model the Megatron model's logits (gpt-oss
+with plain RoPE on both sides and its sliding-window mask built on the CPU: megatron_cpu).
+Gemma 3 is refused by the trainer in one line (engines.megatron.MEGATRON_SOURCE_REFUSES).
 One set of 4 trainer actors serves the module; each case rebuilds them.
 """
 
@@ -128,10 +127,25 @@ def test_gpt_oss_tp2_ep2(dep: MegatronDeployment, ray_address: str) -> None:
     )
 
 
+def _gpt_oss_plain_rope() -> dict[str, Any]:
+    """tiny-gpt-oss with plain RoPE: Megatron-Core's TransformerConfig has no YaRN fields, so the
+    harness builds gpt-oss with rope (no weight depends on it); transformers is told the same. A
+    4-token window, shorter than the 12 tokens: the two sides' window rules must agree."""
+    config = {k: v for k, v in load_model_config("tiny-gpt-oss").items() if k != "rope_scaling"}
+    return {**config, "sliding_window": 4}
+
+
 def _swap_gate_up(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """A plausible mapping bug: gate and up (fc1's [gate; up] halves) exchanged in every
-    projection under `prefix` (Mixtral: w1 and w3 of every expert of the block)."""
+    projection under `prefix` (Mixtral: w1 and w3 of every expert of the block; gpt-oss: the even
+    and odd columns of the fused gate_up_proj and its bias)."""
     out = dict(state)
+    fused = [n for n in state if n.startswith(prefix) and n.endswith(("gate_up_proj", "gate_up_proj_bias"))]
+    for name in fused:
+        t = state[name]
+        out[name] = torch.stack([t[..., 1::2], t[..., 0::2]], dim=-1).flatten(-2)
+    if fused:
+        return out
     gates = [n for n in state if n.startswith(prefix) and n.endswith(("gate_proj.weight", ".w1.weight"))]
     assert gates, prefix
     for gate in gates:
@@ -149,6 +163,8 @@ def _hf_logits(
     from transformers import (
         Glm4MoeConfig,
         Glm4MoeForCausalLM,
+        GptOssConfig,
+        GptOssForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
         MixtralConfig,
@@ -162,6 +178,7 @@ def _hf_logits(
         "llama": (LlamaConfig, LlamaForCausalLM),
         "mixtral": (MixtralConfig, MixtralForCausalLM),
         "glm4_moe": (Glm4MoeConfig, Glm4MoeForCausalLM),
+        "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     }
     config_cls, model_cls = classes[config["model_type"]]
     config_cls(**{**config, "rope_parameters": rope}).save_pretrained(path)
@@ -180,8 +197,9 @@ def _hf_logits(
         (_llama_mlp_bias, "model.layers.1.mlp."),
         (lambda: load_model_config("tiny-mixtral"), "model.layers.1.block_sparse_moe.experts."),
         (lambda: load_model_config("tiny-glm4-moe"), "model.layers.1.mlp.shared_experts."),
+        (_gpt_oss_plain_rope, "model.layers.1.mlp.experts."),
     ],
-    ids=["llama-mlp-bias", "mixtral", "glm4-moe"],
+    ids=["llama-mlp-bias", "mixtral", "glm4-moe", "gpt-oss"],
 )
 def test_forward_equivalence_with_transformers(
     dep: MegatronDeployment, config_of: Callable[[], dict[str, Any]], wrong: str, tmp_path: Path
