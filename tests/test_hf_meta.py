@@ -25,7 +25,7 @@ from sync_runtime.core.models.hf_layout import (
 )
 from sync_runtime.errors import ModelConfigError
 from sync_runtime.runtime import hf_manifest
-from sync_runtime.runtime.hf_manifest import build_manifest, meta_state
+from sync_runtime.runtime.hf_manifest import _hf_config, _hf_fields, build_manifest, meta_state
 
 pytestmark = pytest.mark.unit
 
@@ -177,6 +177,10 @@ def test_explicit_head_dim_builds_despite_transformers_architecture_check() -> N
     }
     q = build_manifest(config).by_name()["model.layers.0.self_attn.q_proj.weight"]
     assert q.shape == (96, config["hidden_size"])
+    assert config["hidden_size"] % config["num_attention_heads"] != 0  # the check's case, really
+    built = _hf_config("llama", _hf_fields(config))  # every given field as given, hidden_size too
+    given = {k: v for k, v in _hf_fields(config).items() if k != "torch_dtype"}  # held as torch.dtype
+    assert {k: getattr(built, k) for k in given} == given
     no_head_dim = {k: v for k, v in config.items() if k != "head_dim"} | {"hidden_size": 100}
     with pytest.raises(ModelConfigError) as info:
         meta_state(no_head_dim)

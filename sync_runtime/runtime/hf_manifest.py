@@ -78,9 +78,6 @@ def _hf_fields(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "model_type" and not k.startswith("weightsync_")}
 
 
-_VALIDATORS_LOCK = threading.Lock()
-
-
 def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
     from transformers import CONFIG_MAPPING
 
@@ -90,16 +87,15 @@ def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
     except Exception as e:
         if "validate_architecture" not in str(e) or fields.get("head_dim") is None:
             raise
-    # transformers 5.2x checks hidden_size % num_attention_heads == 0, the rule by which it derives
-    # head_dim when none is given; with head_dim explicit no weight depends on it (vLLM and
-    # Megatron-Core build such models), so build the config without that one check.
-    with _VALIDATORS_LOCK:  # the class attribute is shared: one such build at a time
-        validators = config_class.__class_validators__
-        config_class.__class_validators__ = [v for v in validators if v.__name__ != "validate_architecture"]
-        try:
-            return config_class(**fields)
-        finally:
-            config_class.__class_validators__ = validators
+    # transformers 5.2x checks hidden_size % num_attention_heads == 0 (the rule by which it derives
+    # head_dim when none is given) once, when the config is built; with head_dim explicit no weight
+    # depends on it (vLLM and Megatron-Core build such models). So build the config with a hidden
+    # size that passes that check, then give it the real one: an attribute assignment runs no
+    # class validator, and no field is derived from hidden_size when head_dim is given
+    # (tests/test_hf_meta.py compares the result field by field).
+    config = config_class(**{**fields, "hidden_size": fields["num_attention_heads"] * fields["head_dim"]})
+    config.hidden_size = fields["hidden_size"]
+    return config
 
 
 def _build_meta(config: dict[str, Any], model_type: str) -> Any:
