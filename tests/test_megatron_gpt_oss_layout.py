@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -31,10 +32,13 @@ from sync_runtime.core.layouts.megatron_gpt_oss import (
 )
 from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role, enumerate_ranks
+from sync_runtime.engines.megatron import MegatronSourceParticipant
 from sync_runtime.engines.megatron_names import LiveTensor
 from sync_runtime.engines.megatron_reorient import ReorientedTensors, is_view, reorientation, to_live, to_sent
-from sync_runtime.errors import LayoutError
+from sync_runtime.errors import LayoutError, SourceChanged
 from sync_runtime.runtime.hf_manifest import build_manifest
+from sync_runtime.runtime.participant import WeightSyncParticipant
+from sync_runtime.transfer import RankResult
 from tests.test_layouts import assert_round_trip, canon_of
 
 pytestmark = pytest.mark.unit
@@ -254,3 +258,33 @@ def test_real_gpt_oss_plans_from_a_megatron_source_at_the_lower_bound(
     summary = json.loads(out.out)
     assert summary["model_bytes"] == build_manifest(load_model_config("gpt-oss-20b")).nbytes
     assert summary["wire_bytes"] == summary["lower_bound_bytes"]
+
+
+def test_a_step_during_a_sync_fails_the_source_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MegatronSourceParticipant.ws_run: the sync reads a fresh copy of linear_fc1 in the layout's
+    orientation; a write to the live parameter meanwhile turns the rank's result into
+    SourceChanged and drops the kept (delta) bits. Control: without the write the result stands."""
+    name = "decoder.layers.0.mlp.experts.local_experts.0." + FC1W
+    fc1 = _live(name, (8, 3))
+    rank = ReorientedTensors("gpt_oss", [fc1])
+    participant = MegatronSourceParticipant()
+    participant.ws_source = SimpleNamespace(reoriented=rank)  # type: ignore[assignment]
+    coord = RankCoord(role=Role.SOURCE, node="127.0.0.1")
+    participant.ws_init(role=Role.SOURCE, coord=coord, layout="megatron", tensors=rank.reported)
+    read: list[torch.Tensor] = []
+
+    def engine_run(self: WeightSyncParticipant, plan: str, *args: object) -> RankResult:
+        read.append(self._ws_state().tensors[name].clone())  # what the engine would send
+        if plan == "step meanwhile":
+            fc1.tensor.add_(1)
+        return RankResult(3, True, 0, 0, 0.0)
+
+    monkeypatch.setattr(WeightSyncParticipant, "ws_run", engine_run)
+    assert participant.ws_run("plan", "digest", "v1", None).ok
+    assert torch.equal(read[-1], _expected_sent(FC1W, fc1.tensor))
+    participant._ws_state().kept = object()  # type: ignore[assignment]
+    result = participant.ws_run("step meanwhile", "digest", "v2", None)
+    assert not result.ok and result.failure is not None
+    assert result.failure.reason == SourceChanged.reason.value and result.failure.tensor == name
+    assert participant._ws_state().kept is None
+    assert participant._ws_state().tensors[name] is rank.reported[name]  # the copy is dropped again
