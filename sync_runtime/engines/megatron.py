@@ -40,13 +40,14 @@ from sync_runtime.core.layouts.megatron import NAME, TE_NAME, VOCAB_MULTIPLE_PER
 from sync_runtime.core.manifest import Manifest
 from sync_runtime.core.models import TENSOR_DTYPES_KEY, model_dims, model_family
 from sync_runtime.core.models.config import mtp_layer_count
+from sync_runtime.core.plan import RankPlan
 from sync_runtime.core.topology import ParallelSpec, RankCoord, Role
 from sync_runtime.engines.megatron_names import LiveTensor, layer_numbers, live_tensors, unwrap
 from sync_runtime.engines.megatron_reorient import ReorientedTensors
 from sync_runtime.errors import LayoutError, SourceChanged
 from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import WeightSyncParticipant, dtype_name
-from sync_runtime.transfer import RankResult
+from sync_runtime.transfer import RankResult, TransferConfig
 
 LAYOUTS_BY_SPEC = (NAME, TE_NAME)
 """Megatron-Core's local spec first: on a tie (no stray names either way) it wins."""
@@ -315,14 +316,21 @@ class MegatronSourceParticipant(WeightSyncParticipant):
         self.ws_source = source
         return source
 
-    def ws_run(self, *args: Any, **kwargs: Any) -> RankResult:
+    def ws_run(
+        self,
+        plan: RankPlan | str,
+        digest: str,
+        version: str,
+        config: TransferConfig,
+        txn: str | None = None,
+    ) -> RankResult:
         """A sync reads the reoriented copies, made now; a step that wrote their live parameters
         meanwhile fails this rank as a write to any source tensor would (transfer/fence.py)."""
         source, st = self.ws_source, self._ws_state()
         if source is None or not source.reoriented.copies:
-            return super().ws_run(*args, **kwargs)
+            return super().ws_run(plan, digest, version, config, txn)
         with source.reoriented.materialized(st.tensors) as moved:
-            result = super().ws_run(*args, **kwargs)
+            result = super().ws_run(plan, digest, version, config, txn)
         name = moved()
         if name is None or not result.ok:
             return result
