@@ -82,16 +82,15 @@ class HttpControl:
         return r.json() if r.content else None
 
     def world_size(self) -> int:
-        """Workers of this server (TP x PP). A data-parallel server is refused: its DP ranks'
-        workers share local indices, and each DP rank would have to be its own replica."""
-        ranks = int(self._call("GET", "/get_world_size", params={"include_dp": "false"})["world_size"])
-        total = int(self._call("GET", "/get_world_size", params={"include_dp": "true"})["world_size"])
-        if total != ranks:
-            raise DestinationError(
-                f"vLLM server {self.base_url}: data parallel ({total // ranks} x {ranks} workers) is not "
-                "supported by the weightsync backend yet; run one server per DP rank"
-            )
-        return ranks
+        """Workers of this server: TP x PP x DP. The workers of every DP engine take part in each
+        weight-transfer call (vLLM sends them to all its engines), each DP rank a replica of its
+        own (engines/vllm_worker._worker_coord)."""
+        return int(self._call("GET", "/get_world_size", params={"include_dp": "true"})["world_size"])
+
+    def data_parallel_size(self) -> int:
+        """The server's DP engines (`--data-parallel-size`): its world size with DP over without."""
+        engine = int(self._call("GET", "/get_world_size", params={"include_dp": "false"})["world_size"])
+        return self.world_size() // max(engine, 1)
 
     def init(self, init_info: dict[str, Any]) -> None:
         self._call("POST", "/init_weight_transfer_engine", body={"init_info": init_info})

@@ -19,6 +19,13 @@ it reaches the engine only through vLLM's own weight-transfer control surface, v
   version label) and resumes generation. The seconds between the two are this replica's pause, reported apart
   from the transfer (`pause_seconds`).
 
+A data-parallel server (`vllm serve --data-parallel-size D`): vLLM sends each weight-transfer
+call to all D engines, so one proxy holds all their workers, and each DP engine is a replica of
+its own (replica + DP rank, engines/vllm_worker._worker_coord). The commit phase pauses, applies
+and resumes one replica at a time, but vLLM pauses, resumes and labels the server as a whole: the
+first pause holds every local rank, and the server resumes (labelled once) only when all have
+resumed on one version; DP ranks left on different versions keep it paused (`_after_batch`).
+
 `HttpControl` (engines/vllm_http.py) drives a `vllm serve` server; `ActorControl`
 (engines/vllm_actor.py) a `vllm.LLM` or `AsyncLLM` inside a Ray actor the user wrote.
 """
@@ -91,6 +98,11 @@ class VllmEngineRanks(RankBatcher):
         self._state = threading.Lock()
         self._session = threading.Lock()
         self._paused_at: float | None = None
+        self._held: set[int] = set()
+        """Local ranks paused and not resumed since: the engine resumes when none is left (a
+        data-parallel server's DP ranks are replicas, paused and resumed one after another)."""
+        self._resumed_on: dict[int, str] = {}
+        """Per local rank, the version its latest resume held."""
         self._pauses: list[float] = []
         self._last_pause: float | None = None
         ctx = ray.get_runtime_context()
@@ -109,9 +121,7 @@ class VllmEngineRanks(RankBatcher):
         )
         answers = [pickle.loads(self._await(init_key(self._prefix, i))) for i in range(world)]
         metas = [value(r) for r in self._setup_drafters(answers)]
-        for i, m in enumerate(metas):
-            if m.coord.replica != replica:
-                raise DiscoveryError(f"worker {i} reports replica {m.coord.replica}, expected {replica}")
+        check_replicas([m.coord.replica for m in metas], replica)
 
     def _setup_drafters(self, answers: list[Result]) -> list[Result]:
         """The init answers; where the workers wait for their MTP drafter, their `ws_setup`
@@ -174,7 +184,7 @@ class VllmEngineRanks(RankBatcher):
         results: list[Result] = []
 
         def work() -> str | None:
-            self._send(method, seq)
+            self._send(method, seq, set(per_rank))
             if method != "ws_resume":
                 return None
             # The answers are in (ws_resume runs inside update_weights): this session's finish
@@ -183,7 +193,7 @@ class VllmEngineRanks(RankBatcher):
             results.extend(self._answers(seq))
             # '' is a rank that does not know its version (set up by this proxy after another
             # proxy's commit): it resumes, but the engine keeps the label it has rather than ''
-            return resumed_version(self._ranks, per_rank, results) or None
+            return self._label_after(per_rank, results) or None
 
         with span(f"proxy.send.{method}"):
             self._in_session(work)
@@ -199,9 +209,9 @@ class VllmEngineRanks(RankBatcher):
     def _answers(self, seq: int) -> list[Result]:
         return [pickle.loads(self._await(answer_key(self._prefix, seq, i))) for i in range(self._ranks)]
 
-    def _send(self, method: str, seq: int) -> None:
+    def _send(self, method: str, seq: int, ranks: set[int]) -> None:
         if method == "ws_pause":
-            self._pause_engine()
+            self._pause_engine(ranks)
         self._control.update({"seq": seq, "method": method})
 
     def _in_session(self, work: Callable[[], str | None], *, draft: bool = False) -> None:
@@ -231,13 +241,35 @@ class VllmEngineRanks(RankBatcher):
             self._control.finish(None)  # left open by an earlier proxy of this engine; label kept
             start()
 
+    def _label_after(self, per_rank: dict[int, tuple], results: list[Result]) -> str | None:
+        """The version every local rank will have resumed on once this resume batch is counted
+        (None: a rank is held or resumed on another version)."""
+        with self._state:
+            resumed = dict(self._resumed_on)
+        resumed |= resumed_ranks(per_rank, results)
+        if len(resumed) != self._ranks or len(set(resumed.values())) != 1:
+            return None
+        return next(iter(resumed.values()))
+
     def _after_batch(self, batch: Batch) -> None:
         if batch.method != "ws_resume":
             return
+        ok = resumed_ranks(batch.args, batch.results)
         with self._state:
             self._last_pause = None
-        if resumed_version(self._ranks, batch.args, batch.results) is None:
-            return  # a rank does not hold the version: the replica stays paused (commit.py)
+            self._held -= set(ok)
+            self._resumed_on |= ok
+            if self._held:
+                return  # a rank does not hold the version yet: the engine stays paused (commit.py)
+            if len(set(self._resumed_on.values())) > 1:
+                # DP ranks of one server on different versions (one kept the old one): vLLM labels
+                # a server, not a DP rank, so it stays paused and this batch's ranks answer False
+                # (their replica is reported out of serving; the next sync resends it).
+                batch.results = [("ok", False) if i in ok else r for i, r in enumerate(batch.results)]
+                self._held |= set(ok)
+                for i in ok:
+                    self._resumed_on.pop(i)
+                return
         # _rpc's session already labelled the engine's outputs with the version
         with self._state:
             if self._paused_at is not None:
@@ -246,7 +278,11 @@ class VllmEngineRanks(RankBatcher):
                 self._pauses.append(self._last_pause)
                 self._paused_at = None
 
-    def _pause_engine(self) -> None:
+    def _pause_engine(self, ranks: set[int]) -> None:
+        """Pause the engine (vLLM pauses all of a server's DP engines at once) unless paused. A
+        new pause holds every local rank: the engine resumes only once all have resumed on one
+        version, so a data-parallel server whose DP ranks are committed one replica after another
+        is paused once, and never serves under a label one of its DP ranks does not hold."""
         with self._state:
             if self._paused_at is None:
                 # From the call on: with `wait` it returns once the requests in flight finished,
@@ -254,6 +290,11 @@ class VllmEngineRanks(RankBatcher):
                 started = time.monotonic()
                 self._control.pause(self._pause_mode)
                 self._paused_at = started
+                self._held, self._resumed_on = set(range(self._ranks)), {}
+            else:
+                self._held |= ranks
+                for i in ranks:
+                    self._resumed_on.pop(i, None)
 
     def _await(self, key: str) -> bytes:
         """A worker's answer; a dead engine (checked every LIVENESS_S) fails the wait at once."""
@@ -269,6 +310,21 @@ class VllmEngineRanks(RankBatcher):
                 checked = time.monotonic()
             time.sleep(POLL_S)
         raise DestinationError(f"no answer for {key} within {ANSWER_TIMEOUT_S:g}s")
+
+
+def resumed_ranks(per_rank: dict[int, tuple], results: list[Result]) -> dict[int, str]:
+    """The local ranks a `ws_resume` batch resumed, with the version each holds (a rank that
+    does not hold it answered False and is not among them)."""
+    return {i: str(args[0]) for i, args in per_rank.items() if results[i] == ("ok", True)}
+
+
+def check_replicas(reported: list[int], first: int) -> None:
+    """The workers' replicas, in local-index order, must be `first`, `first`+1, ... with the same
+    number of workers each (a data-parallel server: one replica per DP rank; else one replica)."""
+    per = reported.count(first)
+    want = [first + i // max(per, 1) for i in range(len(reported))]
+    if per == 0 or len(reported) % per or reported != want:
+        raise DiscoveryError(f"workers report replicas {reported}, expected {want}")
 
 
 def resumed_version(ranks: int, per_rank: dict[int, tuple], results: list[Result]) -> str | None:

@@ -2,13 +2,15 @@
 
 Installed by `weightsync run` (`install`); discovery calls it before each sync
 (runtime/servers.py). Per destination it lists the pods the selector matches (kube/pods.py),
-refuses a replica count or a server world size that differs from the declared parallelism, one
-line naming the pod, and keeps one proxy actor per server process at its replica index (pod uid,
-container restarts, index): a proxy whose pod is gone, replaced (new uid), restarted (its
-container's restart count grew) or moved to another index is killed and a new one attached, so
-a restarted server joins the next sync. A kept proxy is given the spec's pause mode when that
-changed (a `kubectl patch` of `pause` applies from the next sync). The proxies are owned by this
-process (not detached): they end with the runtime.
+refuses a replica count or a server world size (TP x PP x DP) that differs from the declared
+parallelism and `dataParallelSize`, one line naming the pod (each DP engine of a server is a
+replica: pod k holds replicas k*D .. k*D+D-1, all behind the pod's one proxy), and keeps one
+proxy actor per server process at its replica index (pod uid, container restarts, index): a
+proxy whose pod is gone, replaced (new uid), restarted (its container's restart count grew) or
+moved to another index is killed and a new one attached, so a restarted server joins the next
+sync. A kept proxy is given the spec's pause mode when that changed (a `kubectl patch` of
+`pause` applies from the next sync). The proxies are owned by this process (not detached):
+they end with the runtime.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ class ServerAttacher:
             raise DiscoveryError(f"deployment {ref.name!r} names no vllmServers")
         labels = conf.selector.match_labels
         pods = self._list(self.namespace, labels)
-        found = check_servers(ref.name, label_selector(labels), pods, ref.parallelism.replicas, conf.port)
+        dp = conf.data_parallel_size
+        found = check_servers(ref.name, label_selector(labels), pods, ref.parallelism.replicas, conf.port, dp)
         held = self._proxies.setdefault(ref.name, {})
         wanted = {e.instance for e in found}
         for key in [k for k in held if k not in wanted]:
@@ -112,15 +115,17 @@ class ServerAttacher:
         where = f"deployment {ref.name!r}: vLLM server pod {e.pod} ({e.url})"
         control = HttpControl(e.url)
         try:
-            world = control.world_size()
+            world, server_dp = control.world_size(), control.data_parallel_size()
         except DestinationError as err:
             raise DiscoveryError(f"{where}: {err.message}") from err
-        problem = world_size_problem(ref.name, e.pod, world, ref.parallelism.tp, ref.parallelism.pp)
+        p, dp = ref.parallelism, ref.vllm_servers.data_parallel_size if ref.vllm_servers else 1
+        problem = world_size_problem(ref.name, e.pod, world, p.tp, p.pp, dp, server_dp)
         if problem is not None:
             raise TopologyMismatchError(problem)
         name = f"{prefix}{e.replica:04d}.{e.pod}.{e.uid[:8]}.{e.restarts}"
+        # a data-parallel server's DP engines are replicas e.replica*dp .. +dp-1 (one proxy each server)
         handle = attach(
-            name, ref.ray_namespace, control, replica=e.replica, pause=ref.pause_mode, ranks=world
+            name, ref.ray_namespace, control, replica=e.replica * dp, pause=ref.pause_mode, ranks=world
         )
         try:  # the proxy's constructor runs init_weight_transfer_engine on every worker
             ray.get(handle.ws_num_ranks.remote(), timeout=self._timeout_s)
@@ -129,7 +134,14 @@ class ServerAttacher:
             raise DiscoveryError(
                 f"{where}: the weightsync backend did not start: {describe_unexpected(err)}"
             ) from err
-        log.info("attached %s (replica %d, %d worker(s), pause %s)", e.pod, e.replica, world, ref.pause_mode)
+        log.info(
+            "attached %s (replica %d, %d worker(s), dp %d, pause %s)",
+            e.pod,
+            e.replica,
+            world,
+            dp,
+            ref.pause_mode,
+        )
         return name, handle
 
 

@@ -260,23 +260,44 @@ class VllmRankParticipant(WeightSyncParticipant):
 
 
 def _worker_coord(worker: Any, replica: int, node: str) -> tuple[RankCoord, int]:
-    """(coordinates, local index in the engine) from vLLM's own parallel state."""
+    """(coordinates, local index in the server) from vLLM's own parallel state.
+
+    A data-parallel server (`--data-parallel-size D`) runs D engines whose workers all take
+    part in each weight-transfer call; each DP rank holds a whole model copy, so it is its own
+    replica: `replica` (the server's first) + its DP rank, and its workers' local indices follow
+    those of the lower DP ranks (tp*pp each)."""
     from vllm.distributed import parallel_state as ps
 
     tp, pp = ps.get_tp_group(), ps.get_pp_group()
+    parallel = worker.vllm_config.parallel_config
+    # A dense model's DP engines are made independent (vLLM sets their DP size to 1 and keeps the
+    # DP rank as `data_parallel_index`, 0.32; a MoE model's keep `data_parallel_rank`).
+    dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank))
     ep_rank = 0
-    if worker.vllm_config.parallel_config.enable_expert_parallel:
+    if parallel.enable_expert_parallel:
         ep_rank = ps.get_ep_group().rank_in_group
     coord = RankCoord(
         role=Role.DESTINATION,
-        replica=replica,
+        replica=replica + dp_rank,
         tp_rank=tp.rank_in_group,
         pp_rank=pp.rank_in_group,
         ep_rank=ep_rank,
         node=node,
         device=str(worker.device),
     )
-    return coord, pp.rank_in_group * tp.world_size + tp.rank_in_group
+    per_engine = tp.world_size * pp.world_size
+    return coord, dp_rank * per_engine + pp.rank_in_group * tp.world_size + tp.rank_in_group
+
+
+def check_not_wide_ep(vllm_config: Any) -> None:
+    """Expert parallel across data-parallel ranks (vLLM's wide EP) splits the experts over the DP
+    engines, so they are not whole replicas: refused in one line (not synced yet)."""
+    parallel = vllm_config.parallel_config
+    if parallel.enable_expert_parallel and parallel.data_parallel_size > 1:
+        raise DestinationError(
+            f"expert parallel across {parallel.data_parallel_size} data-parallel ranks (vLLM's wide EP) "
+            "is not supported by the weightsync backend: each DP rank must hold a whole model copy"
+        )
 
 
 Result = tuple[str, Any]
@@ -333,6 +354,7 @@ class VllmWorkerExtension:
         require_supported_vllm()
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
         check_expert_placement(vllm_config)
+        check_not_wide_ep(vllm_config)
         model = self.model_runner.model  # type: ignore[attr-defined]
         coord, self._ws_index = _worker_coord(self, replica, node)
         dtype = vllm_config.model_config.dtype

@@ -71,36 +71,48 @@ def endpoints(pods: Iterable[ServerPod], port: int) -> list[ServerEndpoint]:
 
 
 def replica_count_problem(
-    deployment: str, selector: str, pods: Sequence[ServerPod], replicas: int
+    deployment: str, selector: str, pods: Sequence[ServerPod], replicas: int, dp: int = 1
 ) -> str | None:
-    """Why the serving pods do not make the declared replica count (None: they do)."""
+    """Why the serving pods do not make the declared replica count (None: they do). Each server
+    runs `dp` data-parallel engines, each one replica: `replicas` needs replicas/dp pods."""
     live = [p.name for p in pods if serving(p)]
-    if len(live) == replicas:
+    if len(live) * dp == replicas:
         return None
     waiting = sorted(p.name for p in pods if not serving(p))
     shown = f"; not serving: {', '.join(waiting)}" if waiting else ""
+    per = f" x dataParallelSize={dp}" if dp > 1 else ""
     return (
-        f"deployment {deployment!r}: {len(live)} Ready vLLM server pod(s) match {selector!r}, "
+        f"deployment {deployment!r}: {len(live)} Ready vLLM server pod(s){per} match {selector!r}, "
         f"expected replicas={replicas}{shown}"
     )
 
 
-def world_size_problem(deployment: str, pod: str, world_size: int, tp: int, pp: int) -> str | None:
-    """A server whose workers are not the declared TP x PP (None: they are)."""
-    if world_size == tp * pp:
+def world_size_problem(
+    deployment: str, pod: str, world_size: int, tp: int, pp: int, dp: int = 1, server_dp: int = 1
+) -> str | None:
+    """A server whose workers are not the declared TP x PP per engine, or whose data-parallel
+    engines are not the declared `dp` (None: they are)."""
+    if server_dp != dp:
+        return (
+            f"deployment {deployment!r}: vLLM server pod {pod} runs {server_dp} data-parallel engine(s), "
+            f"the destination declares dataParallelSize={dp}"
+        )
+    if world_size == tp * pp * dp:
         return None
+    per = f"*dp = {tp}*{pp}*{dp}" if dp > 1 else f" = {tp}*{pp}"
     return (
         f"deployment {deployment!r}: vLLM server pod {pod} runs {world_size} worker(s), "
-        f"the declared parallelism needs tp*pp = {tp}*{pp} = {tp * pp}"
+        f"the declared parallelism needs tp*pp{per} = {tp * pp * dp}"
     )
 
 
 def check_servers(
-    deployment: str, selector: str, pods: Sequence[ServerPod], replicas: int, port: int
+    deployment: str, selector: str, pods: Sequence[ServerPod], replicas: int, port: int, dp: int = 1
 ) -> list[ServerEndpoint]:
-    """The destination's endpoints; DiscoveryError when the serving pods are not its replica count
-    (retryable: pods of a rollout or a restart become Ready again)."""
-    problem = replica_count_problem(deployment, selector, pods, replicas)
+    """The destination's endpoints, one per serving pod (its first replica is index * dp);
+    DiscoveryError when the serving pods are not its replica count (retryable: pods of a
+    rollout or a restart become Ready again)."""
+    problem = replica_count_problem(deployment, selector, pods, replicas, dp)
     if problem is not None:
         raise DiscoveryError(problem)
     return endpoints(pods, port)

@@ -121,6 +121,8 @@ class VllmServers(CrdModel):
 
     selector: LabelSelector
     port: int = Field(8000, ge=1, le=65535)
+    data_parallel_size: int = Field(1, ge=1, le=1024)
+    """Each server's `--data-parallel-size`: each DP engine is a replica (pod k: k*D .. k*D+D-1)."""
 
 
 StagingPolicy = Literal["host", "device", "inplace"]
@@ -280,6 +282,7 @@ MSG_SERVERS_NO_RAY = (
     "the source's Ray cluster)"
 )
 MSG_SERVERS_LAYOUT = "vllmServers: layout must be vllm"
+MSG_SERVERS_DP = "vllmServers: parallelism.replicas must be a multiple of dataParallelSize"
 MSG_PAUSE_SERVERS = "pause applies to vllmServers destinations only"
 MSG_UNIQUE_DESTINATIONS = "destination names must be unique"
 MSG_SOURCE_NAME_CLASH = "destination names must differ from the source name"
@@ -329,6 +332,8 @@ def _server_problems(dest: DeploymentRef, where: str) -> list[str]:
             out.append(f"{where}: {MSG_SERVERS_NO_RAY}")
         if dest.layout != "vllm":
             out.append(f"{where}: {MSG_SERVERS_LAYOUT}")
+        if dest.parallelism.replicas % dest.vllm_servers.data_parallel_size:
+            out.append(f"{where}: {MSG_SERVERS_DP}")
     elif dest.pause is not None:
         out.append(f"{where}: {MSG_PAUSE_SERVERS}")
     return out

@@ -1,0 +1,188 @@
+"""A data-parallel `vllm serve` (`--data-parallel-size 2`, TP 1, dense Qwen3) as a destination.
+
+The server is started as a user would (`VLLM_SERVER_DEV_MODE=1`, the weightsync backend from the
+installed package, dummy weights) plus `--data-parallel-size=2`: one API server, two engine cores,
+one worker each. vLLM sends every weight-transfer route to all its engines, so one proxy
+(`VllmEngineRanks(HttpControl(url))`) holds both workers, each DP rank a replica of its own
+(replicas 0 and 1 of the destination). The sources are the demo's Megatron-layout actors at TP 2.
+Oracle: the reference cache's checkpoint-loaded TP 1 `VllmReplica` (the same entry as the other
+server tests': a warm run starts no oracle engine).
+
+Each DP rank's generation is asked for by vLLM's own `X-data-parallel-rank` header, and the
+server's per-engine request counters (`/metrics`, label `engine`) prove where it ran. After the
+sync both DP ranks generate as the oracle bit for bit; negative controls: the dummy weights
+before the sync and a scrambled push differ on both, and a resync restores both. The commit
+pauses the server once per sync though its two replicas are committed one after the other.
+
+Each DP engine gets both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1|0-1`): two OpenMP threads, as the
+oracle's one TP 1 worker has (engine_env's "0-1" names one entry, and DP rank 1's engine core
+then fails: "Given number of CPU id list [] doesn't match local world size 1").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+
+from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.engines.vllm_http import HttpControl
+from sync_runtime.engines.vllm_ranks import attach
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.testing.cluster import train_step
+from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
+from sync_runtime.testing.vllm_server import Server, free_port, serve_args, serve_env, stop
+from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
+
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
+NS = "vllm-server-dp"
+DP = 2
+DST = ParallelSpec.parse(f"tp=1,replicas={DP}")
+"""Each DP rank is a replica: the destination declares DP x (servers) replicas."""
+THREADS_BIND = "|".join(["0-1"] * DP)
+
+
+def generate_on(url: str, dp_rank: int, prompt: list[int]) -> tuple[dict[str, list], list[str]]:
+    """One greedy generation on one DP engine (vLLM's `X-data-parallel-rank` header), as
+    sync_runtime.testing.vllm_server.generate asks for it."""
+    body = {
+        "token_ids": list(prompt),
+        "sampling_params": {
+            "temperature": 0.0,
+            "max_tokens": MAX_TOKENS,
+            "logprobs": 0,
+            "ignore_eos": True,
+            "detokenize": False,
+        },
+    }
+    headers = {"X-data-parallel-rank": str(dp_rank)}
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, headers=headers, timeout=300)
+    r.raise_for_status()
+    choice = r.json()["choices"][0]
+    lps = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
+    versions = [span["version"] for span in choice.get("weight_versions") or []]
+    return {"token_ids": list(choice["token_ids"]), "logprobs": lps}, versions
+
+
+def engine_requests(url: str) -> dict[str, float]:
+    """Finished requests per DP engine, from vLLM's own counters (label `engine`)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            if engine is not None:
+                out[engine.group(1)] = out.get(engine.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def per_dp_rank(url: str) -> list[list[dict[str, list]]]:
+    """PROMPTS on each DP engine in turn, one request at a time; checks each ran where asked."""
+    rows: list[list[dict[str, list]]] = []
+    for k in range(DP):
+        before = engine_requests(url)
+        rows.append([generate_on(url, k, p)[0] for p in PROMPTS])
+        after = engine_requests(url)
+        grown = {e: after.get(e, 0.0) - before.get(e, 0.0) for e in after}
+        assert grown == {**dict.fromkeys(after, 0.0), str(k): float(len(PROMPTS))}, grown
+    return rows
+
+
+def launch_dp(model_dir: str, log: Path) -> Server:
+    """`serve` with `--data-parallel-size` (its own args and env, not the helper's: see module doc)."""
+    port = free_port()
+    args = [sys.executable, *serve_args(model_dir, port), f"--data-parallel-size={DP}"]
+    env = {**os.environ, **serve_env(1), "VLLM_CPU_OMP_THREADS_BIND": THREADS_BIND}
+    proc = subprocess.Popen(
+        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+    return Server(f"http://127.0.0.1:{port}", proc, log)
+
+
+@pytest.fixture(scope="module")
+def dp_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("dp-server")
+    with deploy(
+        "qwen3",
+        directory / "v1",
+        src="tp=2",
+        dst=ParallelSpec.parse("tp=1"),
+        namespace=NS,
+        engines={},
+        references={"ref": ("ref-server", {"tp": 1})},  # the other server tests' oracle entry
+    ) as d:
+        server = launch_dp(d.setup.model.rsplit("/", 1)[0], directory / "serve.log")
+        ranks = None
+        try:
+            started = time.monotonic()
+            url = server.wait()
+            print(f"DP {DP} server healthy in {time.monotonic() - started:.1f} s")
+            ranks = attach("dp-r0000", NS, HttpControl(url), replica=0, ranks=DP)
+            ray.get(ranks.ws_num_ranks.remote(), timeout=300)
+            dst = [destination_ref("dp", NS, "dp-r", DST)]
+            yield {"d": d, "url": url, "ranks": ranks, "dst": dst, "ref": d.reference_calls[0]["ref"]}
+        finally:
+            if ranks is not None:
+                ray.kill(ranks)
+            stop(server.proc)
+
+
+def test_each_dp_engine_is_a_replica_behind_one_proxy(dp_server: dict[str, Any]) -> None:
+    control = HttpControl(dp_server["url"])
+    assert (control.world_size(), control.data_parallel_size()) == (DP, DP)
+    metas = ray.get(dp_server["ranks"].ws_meta.remote())
+    assert [(m.coord.replica, m.coord.tp_rank, m.coord.pp_rank) for m in metas] == [(0, 0, 0), (1, 0, 0)]
+    assert len({m.pid for m in metas}) == DP  # one worker process per DP engine
+
+
+def _synced(coordinator: Coordinator, version: str) -> SyncReport:
+    report = coordinator.sync(version)
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+    assert [(r.replica, r.state, r.version) for r in report.replicas] == [
+        (k, ReplicaState.SERVING, version) for k in range(DP)
+    ]
+    return report
+
+
+def test_every_dp_rank_generates_as_the_checkpoint_after_the_sync(dp_server: dict[str, Any]) -> None:
+    url, ref, d = dp_server["url"], dp_server["ref"], dp_server["d"]
+    setup = d.setup
+    before = per_dp_rank(url)  # dummy weights
+    coordinator = Coordinator(
+        sync_spec(setup.model, NS, setup.src, dp_server["dst"], "v1"), NullReporter(), manifest=d.manifest
+    )
+    try:
+        synced_report = _synced(coordinator, "v1")
+        synced = per_dp_rank(url)
+        versions = [generate_on(url, k, PROMPTS[0])[1] for k in range(DP)]
+        train_step(dataclasses.replace(setup, seed=99), "scrambled")
+        _synced(coordinator, "scrambled")
+        scrambled = per_dp_rank(url)
+        train_step(setup, "v1")
+        _synced(coordinator, "v1-again")
+        again = per_dp_rank(url)
+    finally:
+        coordinator.close()
+        train_step(setup, "v1")
+    pauses = ray.get(dp_server["ranks"].pause_seconds.remote())
+    print(
+        f"sync {synced_report.seconds:.2f} s (transfer {synced_report.stages.transfer:.2f} s), "
+        f"pause_seconds={[round(p, 4) for p in pauses]}"
+    )
+    for k in range(DP):
+        assert synced[k] == ref and again[k] == ref, k  # token ids and every logprob bit
+        assert rows_equal(before[k], ref) == 0, k  # negative control: dummy weights
+        assert rows_equal(scrambled[k], ref) == 0, k  # negative control: a scrambled push
+    assert versions == [["v1"]] * DP  # both engines labelled with the sync's version
+    assert HttpControl(url).version() == "v1-again"
+    assert len(pauses) == 3 and all(0 < p < 60 for p in pauses)  # one pause per sync, not per replica

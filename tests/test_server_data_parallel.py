@@ -1,0 +1,217 @@
+"""A data-parallel `vllm serve` (`--data-parallel-size D`) as a destination: its D engines are
+replicas of their own behind one proxy, committed one after another but paused once.
+
+The proxy here is the real `VllmEngineRanks` with a stand-in control whose two workers (DP ranks
+0 and 1 of one server, TP 1) answer through the proxy's real control store, as the weightsync
+backend's workers do. The commit phase (runtime/commit.py) pauses, commits and resumes one
+replica at a time; the server must stay paused until every DP rank resumed on one version, be
+labelled with it once, and never resume with its DP ranks on different versions. The pure parts
+of the attacher's refusals and the CRD rule are checked too. The real server is in
+tests/engines/test_vllm_server_dp.py.
+"""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+
+from sync_runtime.engines import vllm_servers
+from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
+from sync_runtime.engines.vllm_ranks import VllmEngineRanks, check_replicas
+from sync_runtime.engines.vllm_worker import check_not_wide_ep
+from sync_runtime.errors import DestinationError, DiscoveryError, TopologyMismatchError
+from sync_runtime.kube.pods import ServerPod, replica_count_problem, world_size_problem
+from sync_runtime.schema.crd import MSG_SERVERS_DP, WeightSyncSpec, spec_problems
+from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
+
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_ray")]
+
+
+class DataParallelControl(StoreControl):
+    """A server of `dp` engines (one worker each) whose DP rank i holds `holds[i]`."""
+
+    def __init__(self, dp: int = 2) -> None:
+        super().__init__()
+        self.dp = dp
+        self.holds = [""] * dp
+
+    def world_size(self) -> int:
+        return self.dp
+
+    def init(self, info: dict[str, Any]) -> None:
+        store = self._connect(info)
+        for i in range(self.dp):  # DP rank i is replica info["replica"] + i (vllm_worker._worker_coord)
+            meta = SimpleNamespace(coord=SimpleNamespace(replica=info["replica"] + i))
+            store.set(init_key(self.prefix, i), pickle.dumps(("ok", meta)))
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.calls.append(("update", info["method"]))
+        assert self.store is not None
+        for i in range(self.dp):
+            key = args_key(self.prefix, info["seq"], i)
+            if not self.store.check([key]):
+                answer: tuple[str, Any] = ("skip", None)  # not in this batch
+            elif info["method"] == "ws_resume":
+                (version,) = pickle.loads(self.store.get(key))
+                answer = ("ok", version == self.holds[i])
+            else:
+                answer = ("ok", True)
+            self.store.set(answer_key(self.prefix, info["seq"], i), pickle.dumps(answer))
+
+
+def engine_calls(control: DataParallelControl) -> list[tuple[str, Any]]:
+    return [c for c in control.calls if c[0] in ("pause", "resume") or (c[0] == "finish" and c[1])]
+
+
+def test_dp_replicas_committed_one_after_another_pause_and_label_the_server_once() -> None:
+    control = DataParallelControl()
+    proxy = VllmEngineRanks(control, replica=4, host="127.0.0.1")
+    assert proxy.ws_num_ranks() == 2
+    # runtime/commit.py: replica 4 (DP rank 0) paused, committed, resumed; then replica 5
+    assert proxy.ws_rank_call(0, "ws_pause", ()) is True
+    control.holds[0] = "v2"
+    assert proxy.ws_rank_call(0, "ws_resume", ("v2",)) is True
+    assert engine_calls(control) == [("pause", "keep")]  # DP rank 1 still on v1: no resume, no label
+    assert proxy.ws_pause_seconds() is None
+    assert proxy.ws_rank_call(1, "ws_pause", ()) is True
+    control.holds[1] = "v2"
+    assert proxy.ws_rank_call(1, "ws_resume", ("v2",)) is True
+    assert engine_calls(control) == [("pause", "keep"), ("finish", "v2"), ("resume", None)]
+    assert len(proxy.pause_seconds()) == 1 and proxy.ws_pause_seconds() is not None
+
+
+def test_dp_ranks_on_different_versions_keep_the_server_paused() -> None:
+    # negative control of the above: DP rank 1 kept v1 (its apply was refused), so the server
+    # would serve v2 and v1 under one label: it stays paused and DP rank 1 is not serving
+    control = DataParallelControl()
+    proxy = VllmEngineRanks(control, host="127.0.0.1")
+    proxy.ws_rank_call(0, "ws_pause", ())
+    control.holds = ["v2", "v1"]
+    assert proxy.ws_rank_call(0, "ws_resume", ("v2",)) is True
+    proxy.ws_rank_call(1, "ws_pause", ())
+    assert proxy.ws_rank_call(1, "ws_resume", ("v1",)) is False
+    assert engine_calls(control) == [("pause", "keep")]
+    # the next sync brings both to one version: the server resumes, labelled once
+    proxy.ws_rank_call(1, "ws_pause", ())
+    control.holds[1] = "v2"
+    assert proxy.ws_rank_call(1, "ws_resume", ("v2",)) is True
+    assert engine_calls(control) == [("pause", "keep"), ("finish", "v2"), ("resume", None)]
+
+
+def test_both_dp_replicas_in_one_batch_resume_as_one_engine() -> None:
+    control = DataParallelControl()
+    proxy = VllmEngineRanks(control, host="127.0.0.1")
+    control.holds = ["v3", "v3"]
+    assert proxy._rpc("ws_pause", {0: (), 1: ()}) == [("ok", True), ("ok", True)]
+    batch = SimpleNamespace(method="ws_resume", args={0: ("v3",), 1: ("v3",)})
+    batch.results = proxy._rpc("ws_resume", batch.args)
+    proxy._after_batch(batch)  # type: ignore[arg-type]
+    assert engine_calls(control) == [("pause", "keep"), ("finish", "v3"), ("resume", None)]
+
+
+def test_workers_must_report_consecutive_replicas_of_equal_size() -> None:
+    check_replicas([0], 0)
+    check_replicas([4, 4, 5, 5], 4)  # DP 2 x TP 2 from replica 4
+    for reported, first in (([0, 0, 1], 0), ([1, 1], 0), ([0, 2], 0), ([0, 1, 0], 0)):
+        with pytest.raises(DiscoveryError, match="workers report replicas"):
+            check_replicas(reported, first)
+
+
+def test_the_server_dp_and_world_size_are_checked_against_the_declaration() -> None:
+    assert world_size_problem("rollout", "vllm-0", 4, 2, 1, dp=2, server_dp=2) is None
+    assert world_size_problem("rollout", "vllm-0", 2, 1, 1, dp=1, server_dp=2) == (
+        "deployment 'rollout': vLLM server pod vllm-0 runs 2 data-parallel engine(s), "
+        "the destination declares dataParallelSize=1"
+    )
+    assert world_size_problem("rollout", "vllm-0", 2, 2, 1, dp=2, server_dp=2) == (
+        "deployment 'rollout': vLLM server pod vllm-0 runs 2 worker(s), "
+        "the declared parallelism needs tp*pp*dp = 2*1*2 = 4"
+    )
+    pods = [ServerPod(name=f"vllm-{i}", uid=str(i), ip="10.0.0.1", ready=True) for i in range(2)]
+    assert replica_count_problem("rollout", "app=vllm", pods, 4, dp=2) is None
+    assert replica_count_problem("rollout", "app=vllm", pods[:1], 4, dp=2) == (
+        "deployment 'rollout': 1 Ready vLLM server pod(s) x dataParallelSize=2 match 'app=vllm', "
+        "expected replicas=4"
+    )
+
+
+def servers_spec(replicas: int, dp: int) -> WeightSyncSpec:
+    servers = {"selector": {"matchLabels": {"app": "vllm"}}, "dataParallelSize": dp}
+    return WeightSyncSpec.model_validate(
+        {
+            "version": "v1",
+            "source": {
+                "name": "trainer",
+                "rayAddress": "10.0.0.1:6379",
+                "actorPrefix": "t-",
+                "layout": "megatron",
+                "authSecretRef": {"name": "ray"},
+            },
+            "destinations": [
+                {
+                    "name": "rollout",
+                    "layout": "vllm",
+                    "vllmServers": servers,
+                    "parallelism": {"replicas": replicas},
+                }
+            ],
+        }
+    )
+
+
+def test_replicas_must_be_a_multiple_of_the_servers_dp() -> None:
+    assert spec_problems(servers_spec(4, 2)) == []
+    assert spec_problems(servers_spec(3, 2)) == [f"spec.destinations[0]: {MSG_SERVERS_DP}"]
+
+
+class FakeServer:
+    def __init__(self, url: str, world: int = 2, dp: int = 2) -> None:
+        self.url, self.world, self.dp = url, world, dp
+
+    def world_size(self) -> int:
+        return self.world
+
+    def data_parallel_size(self) -> int:
+        return self.dp
+
+
+def test_the_attacher_gives_each_pod_its_dp_replicas_and_refuses_a_mismatch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    attached: list[tuple[str, int, int]] = []
+    servers: dict[str, FakeServer] = {}
+
+    def attach(name: str, namespace: str, control: Any, *, replica: int, pause: str, ranks: int) -> Any:
+        attached.append((control.url, replica, ranks))
+        return SimpleNamespace(ws_num_ranks=SimpleNamespace(remote=lambda: ranks))
+
+    monkeypatch.setattr(vllm_servers, "HttpControl", lambda url: servers.setdefault(url, FakeServer(url)))
+    monkeypatch.setattr(vllm_servers, "attach", attach)
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
+    pods = [ServerPod(name=f"vllm-{i}", uid=f"uid-{i}", ip=f"10.0.0.{i + 1}", ready=True) for i in range(2)]
+    attacher = vllm_servers.ServerAttacher("team-a", "policy", list_pods=lambda ns, labels: pods)
+    attacher(servers_spec(4, 2).destinations[0])
+    assert attached == [("http://10.0.0.1:8000", 0, 2), ("http://10.0.0.2:8000", 2, 2)]
+    servers.clear()
+    servers["http://10.0.0.1:8000"] = FakeServer("http://10.0.0.1:8000", world=1, dp=1)
+    with pytest.raises(TopologyMismatchError, match="vllm-0 runs 1 data-parallel engine"):
+        vllm_servers.ServerAttacher("team-a", "policy", list_pods=lambda ns, labels: pods)(
+            servers_spec(4, 2).destinations[0]
+        )
+
+
+def test_expert_parallel_across_dp_ranks_is_refused_in_one_line() -> None:
+    def config(ep: bool, dp: int) -> Any:
+        return SimpleNamespace(
+            parallel_config=SimpleNamespace(enable_expert_parallel=ep, data_parallel_size=dp)
+        )
+
+    check_not_wide_ep(config(True, 1))  # EP inside one engine's TP
+    check_not_wide_ep(config(False, 2))  # dense DP: vLLM reports DP size 1 inside, but either way
+    with pytest.raises(DestinationError) as e:
+        check_not_wide_ep(config(True, 2))
+    assert "expert parallel across 2 data-parallel ranks" in e.value.message and "\n" not in e.value.message
