@@ -136,8 +136,9 @@ def test_ep_both_sides_with_etp_and_replicas(address):
 
 
 def test_tied_embeddings_tp_up_and_pp(address):
-    # tie_word_embeddings: the last destination stage cuts lm_head from the embedding; the source's
-    # last stage holds an identical output_layer copy (an alternative sender).
+    # tie_word_embeddings: the last destination stage holds its own copy of the embedding (vLLM
+    # ties lm_head to it); the source's last stage holds an identical output_layer copy (an
+    # alternative sender).
     run_syncs(address, "t-tied", "tiny-llama-tied", "pp=2,layers=2+1", "tp=2,pp=2")
 
 

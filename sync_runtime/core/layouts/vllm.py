@@ -249,8 +249,8 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
     first, last = coord.pp_rank == 0, coord.pp_rank == spec.pp - 1
     t, r = spec.tp, coord.tp_rank
     vp = round_up(view.dims.vocab, VOCAB_MULTIPLE)
+    embed = fused_experts.VLLM_EMBED if view.dims.fused_experts else EMBED
     if first:
-        embed = fused_experts.VLLM_EMBED if view.dims.fused_experts else EMBED
         out.vocab_rows(view.top[EMBED], embed, vp, t, r)
     for i in stages[coord.pp_rank]:
         layer = view.layers[i]
@@ -259,8 +259,12 @@ def _build(view: ModelView, spec: ParallelSpec, coord: RankCoord) -> RankShard:
         out.full(view.top[FINAL_NORM], FINAL_NORM)
         if LM_HEAD in view.top:
             out.vocab_rows(view.top[LM_HEAD], LM_HEAD, vp, t, r)
-        elif spec.pp > 1:  # tied: vLLM's last stage loads lm_head from the embedding
-            out.vocab_rows(view.top[EMBED], LM_HEAD, vp, t, r)
+        elif spec.pp > 1:
+            # Tied, several stages: vLLM's last stage builds its own embedding for the head to tie
+            # to (LlamaModel/Qwen2Model: `embed_tokens` on the first rank, and on the last when
+            # tie_word_embeddings), and lm_head shares its parameter, which the engine reports
+            # under the embedding's name (vLLM 0.32 CPU, PP 2: tests/engines/test_vllm_pp.py).
+            out.vocab_rows(view.top[EMBED], embed, vp, t, r)
         mtp.place(
             out,
             view,
