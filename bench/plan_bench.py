@@ -68,7 +68,7 @@ CASES = [
     Case("glm-4.5-air", "glm-4.5-air", "tp=4,pp=2,dp=4,ep=8", "tp=8,ep=8,replicas=2"),
     # No Megatron-Core layer spec holds Gemma 3's sandwich norms: an HF-layout (FSDP-style) source.
     Case("gemma-3-27b (hf src)", "gemma-3-27b", "tp=8,pp=2,dp=2", "tp=8,replicas=4", src_layout="hf"),
-    # No megatron rule for gpt-oss's interleaved fused experts: an HF-layout source, here with CP.
+    # An HF-layout source, with CP (gpt-oss's megatron layout: tests/test_megatron_gpt_oss_layout.py).
     Case(
         "gpt-oss-20b (hf src, cp)",
         "gpt-oss-20b",

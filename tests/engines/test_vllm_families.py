@@ -2,8 +2,8 @@
 Mixtral, GLM-4.5 (`glm4_moe`), Gemma 3 text and gpt-oss, each a tiny seeded config (CONFIGS), TP 2.
 
 Per family, one module-scoped deployment: the demo's sources at v1 (Megatron layout; Gemma 3,
-which no Megatron-Core layer spec holds, and gpt-oss, whose interleaved fused experts the megatron
-layouts refuse, from HF-layout FSDP-style ranks), one vLLM engine
+which no Megatron-Core layer spec holds, and gpt-oss from HF-layout FSDP-style ranks: its megatron
+layout, from real Megatron-Core ranks, is tests/engines/test_megatron_families.py's), one vLLM engine
 started with dummy weights, and the oracle: the same vLLM configuration loaded normally from the
 checkpoint of the same v1 weights (through the reference cache). Asserted per family:
 - the tensors the live engine reports (names, per-rank shapes, dtypes) are the vllm layout's
@@ -68,7 +68,7 @@ FAMILIES = {
         engine_dtypes=(("mlp.gate.weight", "float32"), ("mlp.gate.e_score_correction_bias", "bfloat16")),
     ),
     "gemma3": Family("tp=2", "hf"),
-    # Megatron layouts refuse gpt-oss (interleaved fused experts): HF-layout tp=2 sources. vLLM
+    # HF-layout tp=2 sources (the HF source path; Megatron's: test_megatron_families.py). vLLM
     # permutes the experts on load: (E, H, 2n) -> w13_weight (E, 2n, H), (E, n, H) -> w2_weight (E, H, n).
     "gpt_oss": Family("tp=2", "hf", received_permuted=("w13_weight", "w2_weight")),
 }
