@@ -353,8 +353,8 @@ class VllmWorkerExtension:
         MTP drafter's too, where it has one: vllm_drafter.py)."""
         require_supported_vllm()
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
-        check_expert_placement(vllm_config)
         check_not_wide_ep(vllm_config)
+        check_expert_placement(vllm_config)
         model = self.model_runner.model  # type: ignore[attr-defined]
         coord, self._ws_index = _worker_coord(self, replica, node)
         dtype = vllm_config.model_config.dtype

@@ -13,6 +13,8 @@ server's per-engine request counters (`/metrics`, label `engine`) prove where it
 sync both DP ranks generate as the oracle bit for bit; negative controls: the dummy weights
 before the sync and a scrambled push differ on both, and a resync restores both. The commit
 pauses the server once per sync though its two replicas are committed one after the other.
+A declared DP other than the server's is named before any byte moves (the attacher's check, on
+the real server's world sizes). Wide EP's refusal: test_vllm_server_wide_ep.py.
 
 Each DP engine gets both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1|0-1`): two OpenMP threads, as the
 oracle's one TP 1 worker has (engine_env's "0-1" names one entry, and DP rank 1's engine core
@@ -38,6 +40,7 @@ import ray
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
+from sync_runtime.kube.pods import world_size_problem
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
@@ -143,6 +146,16 @@ def test_each_dp_engine_is_a_replica_behind_one_proxy(dp_server: dict[str, Any])
     metas = ray.get(dp_server["ranks"].ws_meta.remote())
     assert [(m.coord.replica, m.coord.tp_rank, m.coord.pp_rank) for m in metas] == [(0, 0, 0), (1, 0, 0)]
     assert len({m.pid for m in metas}) == DP  # one worker process per DP engine
+
+
+def test_a_wrong_declared_dp_is_named_before_any_byte_moves(dp_server: dict[str, Any]) -> None:
+    control = HttpControl(dp_server["url"])
+    world, dp = control.world_size(), control.data_parallel_size()
+    assert world_size_problem("dp", "pod-0", world, 1, 1, dp=DP, server_dp=dp) is None
+    assert world_size_problem("dp", "pod-0", world, 1, 1, dp=1, server_dp=dp) == (
+        "deployment 'dp': vLLM server pod pod-0 runs 2 data-parallel engine(s), "
+        "the destination declares dataParallelSize=1"
+    )
 
 
 def _synced(coordinator: Coordinator, version: str) -> SyncReport:
