@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
-from sync_runtime.engines.vllm_ranks import VllmEngineRanks, resumed_version
+from sync_runtime.engines.vllm_ranks import VllmEngineRanks
 from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_ray")]  # no_ray: tests/support/engine_control.py
@@ -63,13 +63,6 @@ def test_a_rank_that_does_not_resume_keeps_the_label_and_the_pause() -> None:
     assert proxy.ws_rank_call(0, "ws_resume", ("v3",)) is False
     assert control.calls == [("start", None), ("update", "ws_resume"), ("finish", None)]  # no resume
     assert proxy.pause_seconds() == [] and proxy.ws_pause_seconds() is None
-
-
-def test_resumed_version_needs_every_rank_ok() -> None:
-    assert resumed_version(2, {0: ("v1",), 1: ("v1",)}, [("ok", True), ("ok", True)]) == "v1"
-    assert resumed_version(2, {0: ("v1",)}, [("ok", True), ("skip", None)]) is None
-    assert resumed_version(2, {0: ("v1",), 1: ("v1",)}, [("ok", True), ("ok", False)]) is None
-    assert resumed_version(1, {0: ("v1",)}, [("error", RuntimeError("x"))]) is None
 
 
 def test_a_rank_of_unknown_version_resumes_and_keeps_the_engines_label() -> None:

@@ -327,15 +327,6 @@ def check_replicas(reported: list[int], first: int) -> None:
         raise DiscoveryError(f"workers report replicas {reported}, expected {want}")
 
 
-def resumed_version(ranks: int, per_rank: dict[int, tuple], results: list[Result]) -> str | None:
-    """The version a `ws_resume` batch resumed every local rank on, else None (a rank that does
-    not hold it answered False, or a rank was not in the batch: the replica stays paused)."""
-    if len(per_rank) != ranks or not all(r == ("ok", True) for r in results):
-        return None
-    (version,) = next(iter(per_rank.values()))
-    return str(version)
-
-
 def attach(
     name: str,
     namespace: str,
