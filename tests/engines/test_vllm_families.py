@@ -5,7 +5,17 @@ Per family, one module-scoped deployment: the demo's sources at v1 (Megatron lay
 which no Megatron-Core layer spec holds, and gpt-oss from HF-layout FSDP-style ranks: its megatron
 layout, from real Megatron-Core ranks, is tests/engines/test_megatron_families.py's), one vLLM engine
 started with dummy weights, and the oracle: the same vLLM configuration loaded normally from the
-checkpoint of the same v1 weights (through the reference cache). Asserted per family:
+checkpoint of the same v1 weights (through the reference cache).
+
+The destination under test is a user's engine through the weightsync plugin, as users run it:
+`UserEngine` (sync_runtime/testing/vllm_user_engines.py), a plain Ray actor holding a `vllm.LLM`
+with `weight_transfer_config={"backend": "weightsync"}`, attached with `ActorControl` (its
+`VllmEngineRanks` proxy answers `ws_meta` and the kernel state; the user's actor generates and
+reports the weight version). It runs vLLM's engine core in the actor's process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `replica_env`), unlike vLLM's default that users usually
+keep: the core's own process would import torch and vLLM once more per family, a third of a TP 2
+engine's start on the shared cores, and changes nothing the plugin does (it reaches the workers
+through `collective_rpc` either way). Asserted per family:
 - the tensors the live engine reports (names, per-rank shapes, dtypes) are the vllm layout's
   (gpt-oss's expert weights in the checkpoint's orientation, which its apply permutes as vLLM's
   loader does: `received_permuted`);
@@ -86,9 +96,10 @@ def deployment(
         src=family.src,
         dst=DST,
         namespace=ns,
-        engines={"dut": (f"{key}-r0", {"tp": 2})},
+        engines={},
         references={"ref": (f"{key}-ref", {"tp": 2})},
         source_class=(lambda c: HfDemoSource) if family.src_layout == "hf" else None,
+        user_engines={"dut": (f"{key}-", DST.tp)},
     ) as d:
         spec = sync_spec(d.setup.model, ns, d.setup.src, [destination_ref("dut", ns, f"{key}-", DST)], "v1")
         source = spec.source.model_copy(update={"layout": family.src_layout})
@@ -96,7 +107,8 @@ def deployment(
             "key": key,
             "family": family,
             "setup": d.setup,
-            "engine": d.engines["dut"],
+            "engine": d.users["dut"],  # the user's actor: generation, weight version
+            "proxy": d.proxies["dut"],  # its attached proxy: ws_meta, kernel state
             "ref": d.reference_calls[0]["ref"],
             "ref_kernels": d.reference_kernels["ref"],
             "spec": spec.model_copy(update={"source": source}),
@@ -105,7 +117,7 @@ def deployment(
 
 
 def test_engine_reports_the_layouts_tensors(deployment: dict[str, Any]) -> None:
-    metas = ray.get(deployment["engine"].ws_meta.remote())
+    metas = ray.get(deployment["proxy"].ws_meta.remote())
     assert len(metas) == DST.tp
     for meta in metas:
         got = {t.name: (tuple(t.shape), t.dtype) for t in meta.tensors}
@@ -140,18 +152,19 @@ def _differ(got: list[dict[str, str]], want: list[dict[str, str]]) -> set[str]:
 
 
 def test_sync_is_bit_identical_to_the_checkpoint_loaded_engine(deployment: dict[str, Any]) -> None:
-    setup, engine, ref, ref_kernels = (deployment[k] for k in ("setup", "engine", "ref", "ref_kernels"))
-    dummy, dummy_kernels = generations([engine])[0], kernel_checksums(engine)
+    setup, engine, proxy = (deployment[k] for k in ("setup", "engine", "proxy"))
+    ref, ref_kernels = deployment["ref"], deployment["ref_kernels"]
+    dummy, dummy_kernels = generations([engine])[0], kernel_checksums(proxy)
     coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
     try:
         assert (report := coordinator.sync("v1")).result is SyncResult.SUCCEEDED, report.failure
-        synced, kernels = generations([engine])[0], kernel_checksums(engine)
+        synced, kernels = generations([engine])[0], kernel_checksums(proxy)
         train_step(dataclasses.replace(setup, seed=99), "scrambled")  # other weights, same shapes
         assert (report := coordinator.sync("scrambled")).result is SyncResult.SUCCEEDED, report.failure
-        scrambled, scrambled_kernels = generations([engine])[0], kernel_checksums(engine)
+        scrambled, scrambled_kernels = generations([engine])[0], kernel_checksums(proxy)
         train_step(setup, "v1")  # the reference weights again
         assert (report := coordinator.sync("v1")).result is SyncResult.SUCCEEDED, report.failure
-        again, again_kernels = generations([engine])[0], kernel_checksums(engine)
+        again, again_kernels = generations([engine])[0], kernel_checksums(proxy)
     finally:
         coordinator.close()
     key = deployment["key"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from sync_runtime.testing.vllm_deploy import (
     wait_ready,
 )
 from sync_runtime.testing.vllm_models import CONFIGS, MAX_TOKENS, PROMPTS, write_model
+from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
 from tests.support.vllm_oracle import finish_oracles, start_oracles
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +79,10 @@ class Deployment:
     """One entry per generate call of the reference engines (by key), in call order."""
     reference_kernels: dict[str, list[dict[str, str]]]
     """Per reference engine (by key), per rank: `kernel_checksums` before it was stopped."""
+    users: dict[str, Any] = field(default_factory=dict)
+    """Per user engine (by key): the `UserEngine` actor (generation, weight version)."""
+    proxies: dict[str, Any] = field(default_factory=dict)
+    """Per user engine (by key): its attached `VllmEngineRanks` proxy (ws_meta, kernel state)."""
 
 
 def kernel_checksums(handle: Any) -> list[dict[str, str]]:
@@ -88,6 +93,15 @@ def kernel_checksums(handle: Any) -> list[dict[str, str]]:
 
 EngineArgs = tuple[str, dict[str, Any]]
 """(actor name, start_replica keyword arguments)."""
+UserEngineArgs = tuple[str, int] | tuple[str, int, dict[str, Any]]
+"""(destination name prefix, TP[, more vLLM engine arguments, e.g. `enable_expert_parallel`]): a
+`UserEngine` with the weightsync backend and dummy weights, attached as replica 0 of that
+destination (its proxy is `{prefix}r0`)."""
+
+
+def _user_engine_args(args: UserEngineArgs) -> tuple[str, int, dict[str, Any] | None]:
+    """(prefix, TP, the extra engine arguments or None)."""
+    return (args[0], args[1], args[2]) if len(args) == 3 else (args[0], args[1], None)
 
 
 def _destinations(c: RankCoord) -> bool:
@@ -108,19 +122,28 @@ def deploy(
     version: str = "v1",
     silent_references: Mapping[str, EngineArgs] | None = None,
     source_class: Any = None,
+    user_engines: Mapping[str, UserEngineArgs] | None = None,
 ) -> Iterator[Deployment]:
     """Sources at v1 holding `model` (a CONFIGS key), dummy-weight engines, and reference engines
     loaded from the checkpoint of `version`; the references generate `reference_calls` times,
     report their kernel checksums and are stopped before the body runs (or, cached for their
     exact key, are not started at all). `silent_references` only
     report their checksums (an engine vLLM cannot generate with on CPU). `source_class(coord)`:
-    the sources' actor class (default: the demo's Megatron-layout DemoSource). Everything is
+    the sources' actor class (default: the demo's Megatron-layout DemoSource). `user_engines`:
+    plugin destinations, each started with `replica_env` (vLLM's engine core in the actor's
+    process: the tests' cost; users keep vLLM's default) and attached once up. Everything is
     stopped afterwards."""
     config = CONFIGS[model]
     manifest = build_manifest(config)
     ref_dir = write_model(directory, config, manifest, seed=0, version=version)
     setup = DemoSetup.create(f"{ref_dir}/config.json", src, dst, namespace=namespace, seed=0)
     started = {k: start_replica(name, namespace, ref_dir, **kw) for k, (name, kw) in engines.items()}
+    users_args = {k: _user_engine_args(a) for k, a in (user_engines or {}).items()}
+    users = {
+        k: start_user_engine(ref_dir, tp, extra, env=replica_env(tp))
+        for k, (_, tp, extra) in users_args.items()
+    }
+    proxies: dict[str, Any] = {}
     # the references run only on a reference-cache miss (tests/support/vllm_oracle.py)
     counts = {**dict.fromkeys(references, reference_calls), **dict.fromkeys(silent_references or {}, 0)}
     oracles = start_oracles(ref_dir, namespace, {**references, **(silent_references or {})}, counts)
@@ -129,10 +152,15 @@ def deploy(
             setup, src_version="v1", dst_version="-", skip=_destinations, source_class=source_class
         )
         wait_ready(list(started.values()), timeout_s=800)
+        wait_started(list(users.values()), timeout_s=800)
+        for k, (prefix, tp, _) in users_args.items():
+            (proxies[k],) = attach_user_engines([users[k]], prefix, namespace, tp=tp, timeout_s=800)
         out = finish_oracles(oracles, timeout_s=800)
         calls = [{k: out[k]["calls"][i] for k in references} for i in range(reference_calls)]
         kernels = {k: v["kernels"] for k, v in out.items()}
-        yield Deployment(setup, manifest, started, calls, kernels)
+        yield Deployment(setup, manifest, started, calls, kernels, users, proxies)
     finally:
-        stop_replicas([*started.values(), *oracles.started.values()])
+        stop_replicas([*started.values(), *users.values(), *oracles.started.values()])
+        for proxy in proxies.values():
+            ray.kill(proxy)
         kill_participants(setup)
