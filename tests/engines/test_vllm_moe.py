@@ -1,8 +1,14 @@
 """Real vLLM destinations, Qwen3-MoE at TP 2, without and with expert parallel, in one sync.
 
 Two destination deployments of one WeightSync: `moe-tp` (experts cut by TP: w13 [8, 128, 256]
-per rank) and `moe-ep` (EP = TP: whole experts, w13 [4, 256, 256] per rank). `moe-tp` is
-compared with the same vLLM configuration loaded normally from the reference checkpoint, by
+per rank) and `moe-ep` (EP = TP: whole experts, w13 [4, 256, 256] per rank). Each is a user's
+engine through the weightsync plugin, as users run it: `UserEngine`
+(sync_runtime/testing/vllm_user_engines.py), a plain Ray actor holding a `vllm.LLM` with
+`weight_transfer_config={"backend": "weightsync"}` (`moe-ep`'s with `enable_expert_parallel=True`),
+attached with `ActorControl`. Its `VllmEngineRanks` proxy answers `ws_meta`, the kernel state and
+the applied bytes; the user's actor generates and reports vLLM's weight version (so does the
+proxy, through the same engine). `moe-tp` is compared with the same vLLM configuration loaded
+normally from the reference checkpoint (a `VllmReplica`, through the reference cache), by
 generation (bit for bit) and by every tensor its kernels read.
 
 `moe-ep` cannot generate on CPU: vLLM 0.32's CPU fused-MoE kernel crashes with expert parallel
@@ -52,15 +58,17 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         src="dp=2,ep=2",
         dst=TP,
         namespace=NS,
-        engines={"tp": ("moe-tp-r0", {"tp": 2}), "ep": ("moe-ep-r0", {"tp": 2, "ep": True})},
+        engines={},
         references={"tp": ("ref-tp", {"tp": 2})},
         reference_calls=2,  # two generate calls, like the destinations (dummy, then synced)
         silent_references={"ep": ("ref-ep", {"tp": 2, "ep": True})},
+        user_engines={"tp": ("moe-tp-", TP.tp), "ep": ("moe-ep-", TP.tp, {"enable_expert_parallel": True})},
     ) as d:
         dsts = [destination_ref("moe-tp", NS, "moe-tp-", TP), destination_ref("moe-ep", NS, "moe-ep-", EP)]
         yield {
             "setup": d.setup,
-            "engines": d.engines,
+            "engines": d.users,  # the users' actors: generation, weight version
+            "proxies": d.proxies,  # their attached proxies: ws_meta, kernel state, applied bytes
             "ref": d.reference_calls[1],
             "ref_first": d.reference_calls[0],
             "ref_kernels": d.reference_kernels,
@@ -71,7 +79,7 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
 
 def test_engines_report_the_layouts_expert_shards(deployment: dict[str, Any]) -> None:
     for key, spec in (("tp", TP), ("ep", EP)):
-        for meta in ray.get(deployment["engines"][key].ws_meta.remote()):
+        for meta in ray.get(deployment["proxies"][key].ws_meta.remote()):
             got = {t.name: (tuple(t.shape), t.dtype) for t in meta.tensors}
             shard = get_layout("vllm").shard(deployment["manifest"], spec, meta.coord)
             assert got == {t.name: (tuple(t.shape), t.dtype) for t in shard.tensors}, (key, meta.coord)
@@ -84,6 +92,7 @@ def test_sync_is_bit_identical_a_scrambled_push_differs_and_a_resync_restores(
     deployment: dict[str, Any],
 ) -> None:
     setup, engines, ref = deployment["setup"], deployment["engines"], deployment["ref"]
+    proxies = deployment["proxies"]
     order = ["tp"]  # generation only where vLLM's CPU engine can generate (module docstring)
     serving = [engines[k] for k in order]
     assert deployment["ref_first"] == ref  # Qwen3-MoE on CPU repeats itself exactly
@@ -93,17 +102,17 @@ def test_sync_is_bit_identical_a_scrambled_push_differs_and_a_resync_restores(
         report = coordinator.sync("v1")
         assert report.result is SyncResult.SUCCEEDED, report.failure
         synced = dict(zip(order, generations(serving), strict=True))
-        kernels = {k: kernel_checksums(h) for k, h in engines.items()}
+        kernels = {k: kernel_checksums(h) for k, h in proxies.items()}
         train_step(dataclasses.replace(setup, seed=99), "scrambled")  # other weights, same shapes
         assert coordinator.sync("scrambled").result is SyncResult.SUCCEEDED
         scrambled = dict(zip(order, generations(serving), strict=True))
-        scrambled_kernels = {k: kernel_checksums(h) for k, h in engines.items()}
+        scrambled_kernels = {k: kernel_checksums(h) for k, h in proxies.items()}
         train_step(setup, "v1")  # the reference weights again
         assert coordinator.sync("v1").result is SyncResult.SUCCEEDED
         again = dict(zip(order, generations(serving), strict=True))
-        again_kernels = {k: kernel_checksums(h) for k, h in engines.items()}
-        applied = [ray.get(engines["ep"].ws_rank_call.remote(i, "ws_checksums", ())) for i in range(2)]
-        metas = ray.get(engines["ep"].ws_meta.remote())
+        again_kernels = {k: kernel_checksums(h) for k, h in proxies.items()}
+        applied = [ray.get(proxies["ep"].ws_rank_call.remote(i, "ws_checksums", ())) for i in range(2)]
+        metas = ray.get(proxies["ep"].ws_meta.remote())
     finally:
         coordinator.close()
     for key in order:
@@ -118,7 +127,8 @@ def test_sync_is_bit_identical_a_scrambled_push_differs_and_a_resync_restores(
         for got, want in zip(scrambled_kernels[key], ref_kernels[key], strict=True):
             experts = [n for n in want if n.endswith(("w13_weight", "w2_weight"))]
             assert experts and all(got[n] != want[n] for n in experts), key
-    assert ray.get([h.weight_version.remote() for h in engines.values()]) == ["v1", "v1"]
+    assert ray.get([h.weight_version.remote() for h in engines.values()]) == ["v1", "v1"]  # vLLM's
+    assert ray.get([h.weight_version.remote() for h in proxies.values()]) == ["v1", "v1"]
     for meta, got in zip(metas, applied, strict=True):
         want = shard_arrays(deployment["manifest"], "vllm", EP, meta.coord, 0, "v1")
         assert got == {n: hex_digest(checksum_tensor(bits_to_torch(a))) for n, a in want.items()}
