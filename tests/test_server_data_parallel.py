@@ -20,6 +20,7 @@ import pytest
 import ray
 
 from sync_runtime.engines import vllm_servers
+from sync_runtime.engines.vllm_batch import Batch, RankBatcher
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks, check_replicas
 from sync_runtime.engines.vllm_worker import check_not_wide_ep
@@ -215,3 +216,18 @@ def test_expert_parallel_across_dp_ranks_is_refused_in_one_line() -> None:
     with pytest.raises(DestinationError) as e:
         check_not_wide_ep(config(True, 2))
     assert "expert parallel across 2 data-parallel ranks" in e.value.message and "\n" not in e.value.message
+
+
+def test_a_batch_holding_whole_replicas_dispatches_without_the_gather_window() -> None:
+    # The commit phase drives a DP server's replicas one after another: the calls of one replica's
+    # ranks must not wait for the other replica's (the window cost each DP apply ~0.4 s of pause).
+    batcher = RankBatcher()
+    batcher._init_batcher(4)
+    whole_tp2_engine = Batch("ws_commit", args={0: (), 1: ()})
+    assert not batcher._complete(whole_tp2_engine)  # one replica of 4 ranks: wait for the rest
+    batcher._set_replica_groups([7, 7, 8, 8])  # DP 2 x TP 2: replicas 7 and 8
+    assert batcher._complete(Batch("ws_commit", args={0: (), 1: ()}))  # replica 7, whole
+    assert batcher._complete(Batch("ws_commit", args={2: (), 3: ()}))  # replica 8, whole
+    assert not batcher._complete(Batch("ws_commit", args={0: (), 2: ()}))  # half of each
+    assert not batcher._complete(Batch("ws_join", args={0: (), 1: ()}))  # rendezvous: every rank
+    assert batcher._complete(Batch("ws_join", args={i: () for i in range(4)}))

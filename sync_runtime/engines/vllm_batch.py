@@ -50,6 +50,24 @@ class RankBatcher:
         self._ranks = ranks
         self._cv = threading.Condition()
         self._open: dict[str, Batch] = {}
+        self._groups: list[frozenset[int]] = [frozenset(range(ranks))]
+
+    def _set_replica_groups(self, replica_of: Sequence[int]) -> None:
+        """Local ranks by replica (a data-parallel server's DP engines are replicas of their own,
+        which the commit phase drives one after another): a non-rendezvous batch holding every
+        rank of the replicas it holds dispatches at once, without the gather window."""
+        groups: dict[int, set[int]] = {}
+        for index, replica in enumerate(replica_of):
+            groups.setdefault(replica, set()).add(index)
+        self._groups = [frozenset(g) for g in groups.values()]
+
+    def _complete(self, batch: Batch) -> bool:
+        if len(batch.args) >= self._ranks:
+            return True
+        if batch.method in RENDEZVOUS or len(self._groups) == 1:
+            return False
+        arrived = set(batch.args)
+        return arrived == set().union(*(g for g in self._groups if g & arrived))
 
     def _rpc(self, method: str, per_rank: dict[int, tuple]) -> list[Result]:
         raise NotImplementedError
@@ -90,7 +108,7 @@ class RankBatcher:
         wait = RENDEZVOUS_WAIT_S if batch.method in RENDEZVOUS else GATHER_WINDOW_S
         deadline = time.monotonic() + wait
         with self._cv:
-            while len(batch.args) < self._ranks and time.monotonic() < deadline:
+            while not self._complete(batch) and time.monotonic() < deadline:
                 self._cv.wait(deadline - time.monotonic())
             batch.closed = True
             if self._open.get(batch.method) is batch:
