@@ -52,7 +52,9 @@ def deepseek_tp2(
     shared_engines: Any,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Any]:
-    """A dummy-weight DeepSeek-V3 `VllmReplica` at TP 2 (test_vllm_deepseek, test_vllm_megatron_moe_mla)."""
+    """A dummy-weight DeepSeek-V3 user's engine at TP 2 through the weightsync plugin (a
+    `UserEngine` and its `ActorControl` proxy: tests/support/shared_engines.py `SharedReplica`),
+    for test_vllm_deepseek and test_vllm_megatron_moe_mla."""
     from tests.support import shared_engines as se
 
     def start() -> se.SharedReplica:

@@ -13,7 +13,14 @@ After a sync the engine must be indistinguishable from one that loaded the check
 
 The engine is the session's shared one (tests/engines/conftest.py `deepseek_tp2`, also synced by
 test_vllm_megatron_moe_mla.py): its dummy generation and kernel checksums were recorded when it
-started, before any sync; each test here that needs this module's v1 syncs it first.
+started, before any sync; each test here that needs this module's v1 syncs it first. It is a
+user's engine through the weightsync plugin, as users run it: `UserEngine`
+(sync_runtime/testing/vllm_user_engines.py), a plain Ray actor holding a `vllm.LLM` with
+`weight_transfer_config={"backend": "weightsync"}`, attached with `ActorControl`. Its
+`VllmEngineRanks` proxy answers `ws_meta`, the kernel state and the applied bytes; the user's
+actor generates and reports vLLM's weight version (so does the proxy, through the same engine).
+The oracle is the same vLLM configuration loaded normally from the checkpoint (a `VllmReplica`,
+through the reference cache).
 """
 
 from __future__ import annotations
@@ -63,7 +70,8 @@ def deployment(deepseek_tp2: Any, tmp_path_factory: pytest.TempPathFactory) -> I
         dst = [destination_ref("ds", shared.namespace, shared.prefix, DST)]
         yield {
             "setup": d.setup,
-            "engine": shared.handle,
+            "engine": shared.handle,  # the user's actor: generation, weight version
+            "proxy": shared.proxy,  # its attached proxy: ws_meta, kernel state, applied bytes
             "dummy": shared.dummy,
             "dummy_kernels": shared.dummy_kernels,
             "ref": [c["ref"] for c in d.reference_calls],
@@ -87,7 +95,7 @@ def _sync(deployment: dict[str, Any]) -> None:
 
 
 def test_engine_reports_the_mla_layout(deployment: dict[str, Any]) -> None:
-    for meta in ray.get(deployment["engine"].ws_meta.remote()):
+    for meta in ray.get(deployment["proxy"].ws_meta.remote()):
         got = {t.name: (tuple(t.shape), t.dtype) for t in meta.tensors}
         shard = get_layout("vllm").shard(deployment["manifest"], DST, meta.coord)
         want = {t.name: (tuple(t.shape), t.dtype) for t in shard.tensors}  # the router bias: F32
@@ -104,12 +112,13 @@ BIAS = "e_score_correction_bias"  # staged and committed in vLLM's fp32 (widened
 
 def test_mla_sync_is_bit_identical_to_the_checkpoint_loaded_engine(deployment: dict[str, Any]) -> None:
     engine, ref, ref_kernels = deployment["engine"], deployment["ref"], deployment["ref_kernels"]
+    proxy = deployment["proxy"]
     assert all(r == ref[0] for r in ref)  # one prompt at a time, the reference repeats itself
     dummy, dummy_kernels = deployment["dummy"], deployment["dummy_kernels"]  # before any sync
-    assert kernel_checksums(engine) != ref_kernels  # the sync below has bytes to change
+    assert kernel_checksums(proxy) != ref_kernels  # the sync below has bytes to change
     _sync(deployment)
     synced = [generations([engine])[0] for _ in range(SYNCED_CALLS)]
-    kernels = kernel_checksums(engine)
+    kernels = kernel_checksums(proxy)
     derived = [n for n in ref_kernels[0] if n.endswith(("W_UV", "W_UK_T", "_w_uv_packed", "_w_uk_packed"))]
     assert len(derived) == 4  # two layers: vLLM's derived MLA tensors are among those compared
     assert kernels == ref_kernels
@@ -117,15 +126,16 @@ def test_mla_sync_is_bit_identical_to_the_checkpoint_loaded_engine(deployment: d
     print("deepseek synced calls vs reference:", [rows_equal(x, ref[0]) for x in synced])
     assert all(x == ref[0] for x in synced)  # token ids and every logprob bit
     assert rows_equal(dummy, ref[0]) == 0  # negative control: dummy weights generate otherwise
-    assert ray.get(engine.weight_version.remote()) == "v1"
+    assert ray.get(engine.weight_version.remote()) == "v1"  # vLLM's
+    assert ray.get(proxy.weight_version.remote()) == "v1"
 
 
 def test_mla_commits_the_exact_bytes_of_every_synced_tensor(deployment: dict[str, Any]) -> None:
-    engine = deployment["engine"]
+    proxy = deployment["proxy"]
     if not deployment["synced"]:  # run alone: the engine may hold dummy or another module's weights
         _sync(deployment)
-    metas = ray.get(engine.ws_meta.remote())
-    applied = [ray.get(engine.ws_rank_call.remote(i, "ws_checksums", ())) for i in range(len(metas))]
+    metas = ray.get(proxy.ws_meta.remote())
+    applied = [ray.get(proxy.ws_rank_call.remote(i, "ws_checksums", ())) for i in range(len(metas))]
     for meta, got in zip(metas, applied, strict=True):
         want = shard_arrays(deployment["manifest"], "vllm", DST, meta.coord, deployment["setup"].seed, "v1")
         tensors = {n: bits_to_torch(a) for n, a in want.items()}

@@ -22,9 +22,13 @@ against the source's fp32 checksum (a bf16 round trip as negative control). Prom
 generated one at a time: CPU MLA is not batch-invariant (docs/vllm.md).
 Negative control of generation: the destination's first call, on dummy weights, agrees with the
 oracle on no row.
-Only two engines run at a time. The Qwen3-MoE case starts and stops its own pair; the DeepSeek-V3
-destination is the session's shared dummy-weight engine (tests/engines/conftest.py `deepseek_tp2`,
-also synced by test_vllm_deepseek.py), whose dummy generation was recorded before any sync.
+Only two engines run at a time. The Qwen3-MoE case starts and stops its own pair (its
+destination a `VllmReplica`); the DeepSeek-V3 destination is the session's shared dummy-weight
+engine (tests/engines/conftest.py `deepseek_tp2`, also synced by test_vllm_deepseek.py), whose
+dummy generation was recorded before any sync: a user's engine through the weightsync plugin
+(`UserEngine`, a plain Ray actor holding a `vllm.LLM` with the weightsync backend, attached with
+`ActorControl`), whose `VllmEngineRanks` proxy answers ws_meta, the kernel state and the
+committed bytes while the user's actor generates and reports vLLM's weight version.
 """
 
 from __future__ import annotations
@@ -169,17 +173,19 @@ def test_megatron_tp2_mla_deepseek_v3_into_vllm_tp2_is_bit_identical(
         stop_replicas(list(oracles.started.values()))
     ref, ref_kernels = oracle["calls"], oracle["kernels"]
     engine = deepseek_tp2.handle  # the session's shared engine (dummy, or another module's v1)
-    layout = _check_layout(engine, manifest)
+    proxy = deepseek_tp2.proxy  # its attached proxy: ws_meta, kernel state, committed bytes
+    layout = _check_layout(proxy, manifest)
     assert layout["model.layers.1.self_attn.fused_qkv_a_proj.weight"] == ((704, 256), "bfloat16")
     assert not any("W_UV" in n or "W_UK_T" in n for n in layout)  # derived, never synced
     print("mla: engine reports", bias, layout[bias])
-    assert kernel_checksums(engine) != ref_kernels  # the sync below has bytes to change
+    assert kernel_checksums(proxy) != ref_kernels  # the sync below has bytes to change
     dst = [destination_ref("mla", deepseek_tp2.namespace, deepseek_tp2.prefix, DST)]
     spec = sync_spec(str(tmp_path / "mla"), NS, built[0]["spec"], dst, "v1")
     dummy, after, seconds = _sync_and_generate(engine, spec, manifest, 2, deepseek_tp2.dummy)
-    version = ray.get(engine.weight_version.remote())
-    kernels = kernel_checksums(engine)
-    applied = [ray.get(engine.ws_rank_call.remote(i, "ws_checksums", ()))[bias] for i in range(2)]
+    version = ray.get(engine.weight_version.remote())  # vLLM's
+    proxy_version = ray.get(proxy.weight_version.remote())
+    kernels = kernel_checksums(proxy)
+    applied = [ray.get(proxy.ws_rank_call.remote(i, "ws_checksums", ()))[bias] for i in range(2)]
     print(f"mla: sync {seconds:.2f}s; rows equal to the oracle: {[rows_equal(x, ref[0]) for x in after]}")
     assert ref[0] == ref[1]  # one prompt at a time, CPU MLA repeats itself
     assert all(x == ref[0] for x in after)  # token ids and every logprob bit
@@ -191,7 +197,7 @@ def test_megatron_tp2_mla_deepseek_v3_into_vllm_tp2_is_bit_identical(
     assert applied == [hex_digest(checksum_tensor(b))] * 2
     assert applied[0] != hex_digest(checksum_tensor(b.bfloat16().float()))
     assert all(rows_equal(dummy, r) == 0 for r in ref)  # negative control: dummy weights differ
-    assert version == "v1"
+    assert version == "v1" and proxy_version == "v1"
 
 
 def test_megatron_tp2_ep2_qwen3_moe_into_vllm_tp2_is_bit_identical(

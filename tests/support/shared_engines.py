@@ -129,9 +129,15 @@ POOL = SharedEngines()
 
 @dataclass
 class SharedReplica:
-    """A dummy-weight `VllmReplica` shared by modules: its destination is (namespace, prefix)."""
+    """A dummy-weight user's engine through the weightsync plugin, shared by modules: a
+    `UserEngine` (sync_runtime/testing/vllm_user_engines.py, a plain Ray actor holding `vllm.LLM`
+    with the weightsync backend) attached with `ActorControl`; its destination is (namespace,
+    prefix), replica 0 of which is the proxy `{prefix}r0`."""
 
     handle: Any
+    """The user's actor: generation, vLLM's weight version."""
+    proxy: Any
+    """Its attached `VllmEngineRanks` proxy: ws_meta, ws_rank_call, kernel state, weight version."""
     namespace: str
     prefix: str
     model_dir: str
@@ -144,31 +150,45 @@ class SharedReplica:
 def start_shared_replica(
     model: str, directory: Path, namespace: str, prefix: str, *, tp: int
 ) -> SharedReplica:
-    """A dummy-weight replica of CONFIGS[model] at `tp`, up, with its dummy state recorded."""
-    from tests.support.vllm_deploy import kernel_checksums, start_replica
+    """A dummy-weight user's engine of CONFIGS[model] at `tp`, up and attached (started with
+    `replica_env`, as tests/support/vllm_deploy.py's `deploy` starts its user engines), with its
+    dummy state recorded."""
+    from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
+    from tests.support.vllm_deploy import kernel_checksums, replica_env
 
     config = CONFIGS[model]
     model_dir = write_model(directory, config, build_manifest(config), seed=0, version="v1")
-    handle = start_replica(f"{prefix}r0", namespace, model_dir, tp=tp)
+    handle = start_user_engine(model_dir, tp, env=replica_env(tp))
+    proxies: list[Any] = []
     try:
-        wait_ready([handle], timeout_s=800)
+        wait_started([handle], timeout_s=800)
+        proxies = attach_user_engines([handle], prefix, namespace, tp=tp, timeout_s=800)
         dummy = generations([handle])[0]
-        return SharedReplica(handle, namespace, prefix, model_dir, dummy, kernel_checksums(handle))
+        kernels = kernel_checksums(proxies[0])
+        return SharedReplica(handle, proxies[0], namespace, prefix, model_dir, dummy, kernels)
     except BaseException:
-        stop_replicas([handle])
+        _stop_user_engine(handle, proxies)
         raise
 
 
 def replica_alive(shared: SharedReplica) -> bool:
+    """The user's actor and its proxy both reach the engine."""
     try:
-        ray.get(shared.handle.weight_version.remote(), timeout=60)
-    except Exception:  # a dead actor or engine: start another
+        ray.get([shared.handle.weight_version.remote(), shared.proxy.weight_version.remote()], timeout=60)
+    except Exception:  # a dead actor, proxy or engine: start another
         return False
     return True
 
 
 def stop_shared_replica(shared: SharedReplica) -> None:
-    stop_replicas([shared.handle])
+    _stop_user_engine(shared.handle, [shared.proxy])
+
+
+def _stop_user_engine(handle: Any, proxies: Sequence[Any]) -> None:
+    """The engine first (its processes, then the user's actor), then its proxy."""
+    stop_replicas([handle])
+    for proxy in proxies:
+        ray.kill(proxy)
 
 
 @dataclass
