@@ -2,12 +2,18 @@
 
 Source: four Megatron-Core 0.19.2 trainer ranks, TP2 x PP2, a bf16 model (params_dtype bf16:
 RMSNorm weights stay fp32 in Megatron, everything else bf16), tied embeddings, GQA (nh 4, nkv 2)
-with q/k norms. Destination: one vLLM 0.32 CPU engine at TP2 started with dummy weights; its
-norms are bf16, so discovery hands every vLLM rank a cast map and the rank narrows the fp32 norms
-on receipt (docs/dtypes.md). Oracle: the same vLLM configuration loaded normally from the
-reference checkpoint: the Megatron shards converted to HF tensors by their own split attributes
-(engines/megatron_convert.py), fp32 norms included, so vLLM's loader does its own fp32 -> bf16
-copy. Then one real optimizer step on Megatron and a second sync, against a second reference.
+with q/k norms. Destination: one vLLM 0.32 CPU engine at TP2 started with dummy weights, a user's
+engine through the weightsync plugin as users run it (`UserEngine`,
+sync_runtime/testing/vllm_user_engines.py: a plain Ray actor holding a `vllm.LLM` with
+`weight_transfer_config={"backend": "weightsync"}`, attached with `ActorControl`): the user's
+actor generates and reports vLLM's weight version; its `VllmEngineRanks` proxy `mg-r0` is what
+discovery finds, and reports the weight version through the same engine. Its norms are bf16, so
+discovery hands every vLLM rank a cast map and the rank narrows the fp32 norms on receipt
+(docs/dtypes.md). Oracle: the same vLLM configuration loaded normally from the reference
+checkpoint (a `VllmReplica`, through the reference cache): the Megatron shards converted to HF
+tensors by their own split attributes (engines/megatron_convert.py), fp32 norms included, so
+vLLM's loader does its own fp32 -> bf16 copy. Then one real optimizer step on Megatron and a
+second sync, against a second reference.
 
 Both references are made before the engines start (vLLM has no way here to reload a checkpoint
 into a running engine): the trainers step once, are exported, then rebuilt from the same seed;
@@ -34,12 +40,13 @@ from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.megatron_actors import build_all, start_trainers
 from sync_runtime.testing.megatron_deploy import save_reference
+from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
 from tests.support.vllm_deploy import (
     CONFIGS,
     destination_ref,
     generations,
+    replica_env,
     rows_equal,
-    start_replica,
     stop_replicas,
     sync_spec,
 )
@@ -77,6 +84,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     trainers = start_trainers(4, NS, "trainer-")
     handles: list[Any] = []
+    proxies: list[Any] = []
     oracles: list[Oracles] = []
     try:
         built = _build(trainers)
@@ -90,15 +98,17 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         # the oracles are started only on a reference-cache miss, one at a time (memory)
         oracle = start_oracles(dirs["v1"], NS, {"v1": ("ref-mg1", {"tp": 2})})
         oracles.append(oracle)
-        engine = start_replica("mg-r0", NS, dirs["v1"], tp=2)
+        engine = start_user_engine(dirs["v1"], DST.tp, env=replica_env(DST.tp))  # dummy weights
         handles = [engine]
-        ray.get(engine.ws_num_ranks.remote(), timeout=800)
+        wait_started([engine], timeout_s=800)
+        proxies = attach_user_engines([engine], "mg-", NS, tp=DST.tp, timeout_s=800)
         ref_gen = {"v1": finish_oracles(oracle, timeout_s=800)["v1"]["calls"][0]}
         oracles.append(start_oracles(dirs["v2"], NS, {"v2": ("ref-mg2", {"tp": 2})}))
         spec = sync_spec(dirs["v1"], NS, built[0]["spec"], [destination_ref("mg", NS, "mg-", DST)], "v1")
         yield {
             "trainers": trainers,
-            "engine": engine,
+            "engine": engine,  # the user's actor: generation, weight version
+            "proxy": proxies[0],  # its attached proxy (mg-r0): the destination discovery finds
             "oracle_v2": oracles[1],
             "ref_gen": ref_gen,
             "refs": {"v1": ref1, "v2": ref2},
@@ -107,6 +117,8 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         }
     finally:
         stop_replicas([*handles, *(h for o in oracles for h in o.started.values())])
+        for proxy in proxies:
+            ray.kill(proxy)
         for h in trainers:
             ray.kill(h, no_restart=True)
 
@@ -143,4 +155,5 @@ def test_megatron_to_vllm_is_bit_identical_then_a_training_step_resyncs(deployme
     assert v2 == ref["v2"]
     assert rows_equal(dummy, ref["v1"]) == 0  # negative control: the dummy weights generate otherwise
     assert rows_equal(v1, ref["v2"]) < len(v1) and ref["v1"] != ref["v2"]  # the step changed the output
-    assert ray.get(engine.weight_version.remote()) == "v2"
+    assert ray.get(engine.weight_version.remote()) == "v2"  # vLLM's
+    assert ray.get(deployment["proxy"].weight_version.remote()) == "v2"
