@@ -77,7 +77,9 @@ def test_api_server_takes_a_servers_destination_and_refuses_bad_ones(kubectl: An
     kubectl("apply", "-f", "-", input=json.dumps(_manifest(namespace)))
     stored = json.loads(kubectl("get", "ws", "servers", "-n", namespace, "-o", "json").stdout)
     (dest,) = stored["spec"]["destinations"]
-    assert dest["vllmServers"] == {"selector": {"matchLabels": {"app": "vllm"}}, "port": 8000}
+    # the apiserver fills the schema's defaults: the port, and one DP engine per server
+    want = {"selector": {"matchLabels": {"app": "vllm"}}, "port": 8000, "dataParallelSize": 1}
+    assert dest["vllmServers"] == want
     assert dest["pause"] == "wait" and "actorPrefix" not in dest and "authSecretRef" not in dest
     cases = [c for c in load_cases() if c.name in SERVER_CASES]
     assert {c.name for c in cases} == SERVER_CASES
