@@ -119,7 +119,8 @@ class _LLM:
 def _replica() -> VllmReplica:
     r = object.__new__(VllmReplica)  # no engine: only the batching machinery
     r.llm = _LLM()  # type: ignore[assignment]
-    r._engine, r._cv, r._open, r._ranks = threading.Lock(), threading.Condition(), {}, 2
+    r._engine = threading.Lock()
+    r._init_batcher(2)
     return r
 
 
