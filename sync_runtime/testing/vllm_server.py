@@ -10,6 +10,7 @@ and its workers together. Runs only where vLLM is installed (tools/vllm_env.sh):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -105,7 +106,9 @@ def serve(
 
 
 def stop(proc: subprocess.Popen, *, kill: bool = False) -> None:
-    """SIGKILL (a crash) or SIGTERM to the server's whole process group; waits for the server."""
+    """SIGKILL (a crash) or SIGTERM to the server's whole process group; returns once every
+    process of the group is gone (the engine core and its workers can outlive the API server by
+    a moment: the API server's exit alone does not mean the server is down)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL if kill else signal.SIGTERM)
         proc.wait(60)
@@ -114,6 +117,25 @@ def stop(proc: subprocess.Popen, *, kill: bool = False) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
+    for signum in (None, signal.SIGKILL):  # 30 s to exit, then 30 s after a SIGKILL
+        deadline = time.monotonic() + 30
+        if signum is not None and _group_alive(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signum)
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a live (not zombie) process of process group `pgid` remains (from /proc)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # it exited while we looked
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 class Server(NamedTuple):
