@@ -226,7 +226,9 @@ class ControlPlane:
 
     def get_json(self, path: str) -> Any:
         """GET an API path (e.g. ``/version``) as the admin user."""
-        with self._open(f"{self.server}{path}") as resp:
+        # 30 s, not the readiness probe's 5: on CI's two cores, beside the engine lane, one TLS
+        # handshake with a busy apiserver took over 5 s (a CI-equivalent run at dd3270b)
+        with self._open(f"{self.server}{path}", timeout_s=30) as resp:
             return json.loads(resp.read())
 
     def api_client(self) -> Any:
@@ -360,9 +362,9 @@ class ControlPlane:
         ctx.load_cert_chain(str(self.pki / "admin.crt"), str(self.pki / "admin.key"))
         return ctx
 
-    def _open(self, url: str, verify: bool = True) -> Any:
+    def _open(self, url: str, verify: bool = True, timeout_s: float = 5) -> Any:
         ctx = self._ssl_context(verify) if url.startswith("https") else None
-        return urllib.request.urlopen(url, timeout=5, context=ctx)
+        return urllib.request.urlopen(url, timeout=timeout_s, context=ctx)
 
     def _get(self, url: str, verify: bool = True) -> bool:
         try:
