@@ -121,8 +121,9 @@ class VllmEngineRanks(RankBatcher):
         )
         answers = [pickle.loads(self._await(init_key(self._prefix, i))) for i in range(world)]
         metas = [value(r) for r in self._setup_drafters(answers)]
-        check_replicas([m.coord.replica for m in metas], replica)
-        self._set_replica_groups([m.coord.replica for m in metas])
+        replicas = [m.coord.replica for m in metas]
+        check_replicas(replicas, replica)
+        self._set_replica_groups(replicas)
 
     def _setup_drafters(self, answers: list[Result]) -> list[Result]:
         """The init answers; where the workers wait for their MTP drafter, their `ws_setup`
