@@ -2,9 +2,10 @@
 
 An embedded Ray cluster; the demo's Megatron-layout source actors holding shards of the seeded
 canonical weights (version v1); N destination replicas run as users run vLLM in Ray: each a plain
-actor holding a `vllm.LLM` started with dummy weights and `weight_transfer_config={"backend":
-"weightsync"}` (the plugin, engines/vllm_plugin/), nothing from WeightSync inside it
-(sync_runtime/testing/vllm_user_engines.py), attached the documented way, `attach(name,
+actor holding a `vllm.LLM` (its engine core in the actor's process, its workers in their own)
+started with dummy weights and `weight_transfer_config={"backend": "weightsync"}` (the plugin,
+engines/vllm_plugin/), nothing from WeightSync inside it (sync_runtime/testing/vllm_user_engines.py),
+attached the documented way, `attach(name,
 namespace, ActorControl(actor))`: a WeightSync proxy per engine that discovery finds by name and
 that drives the engine through vLLM's own weight-transfer API. The oracle is the same actor
 without the backend, loaded by vLLM's loader (`load_format="auto"`) from reference.safetensors,
@@ -57,7 +58,13 @@ from sync_runtime.testing.cluster import (
     start_local_ray,
     weightsync_spec,
 )
-from sync_runtime.testing.vllm_deploy import Generation, generations, stop_replicas, token_rows_equal
+from sync_runtime.testing.vllm_deploy import (
+    Generation,
+    generations,
+    replica_env,
+    stop_replicas,
+    token_rows_equal,
+)
 from sync_runtime.testing.vllm_models import PROMPTS, model_dir_for, vllm_model_config
 from sync_runtime.testing.vllm_oracle_keys import DemoOracle
 from sync_runtime.testing.vllm_user_engines import (
@@ -175,8 +182,11 @@ def _deploy_and_check(
         f"megatron {setup.src.describe()} -> {dst.replicas} vllm.LLM engine(s) tp={dst.tp} in plain Ray "
         f"actors (weightsync backend), oracle: vLLM loading {work / 'reference.safetensors'}"
     )
-    # every engine builds in the background, together (one after another would take minutes longer)
-    replicas = [start_user_engine(model_dir, dst.tp) for _ in range(dst.replicas)]
+    # every engine builds in the background, together (one after another would take minutes longer);
+    # a replica's engine core runs in its actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as
+    # RL frameworks run `vllm.LLM`): one process fewer per replica to start, which on a 2-core
+    # machine is seconds of torch and vLLM imports each. The workers stay processes of their own.
+    replicas = [start_user_engine(model_dir, dst.tp, env=replica_env(dst.tp)) for _ in range(dst.replicas)]
     reference = (
         None if oracle.cached else start_user_engine(model_dir, dst.tp, load_format="auto", backend=False)
     )

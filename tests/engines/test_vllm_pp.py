@@ -47,8 +47,8 @@ from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from tests.support.vllm_deploy import (
     deploy,
     destination_ref,
-    engine_env,
     kernel_checksums,
+    replica_env,
     stop_replicas,
     sync_spec,
 )
@@ -73,8 +73,9 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         references={"ref": ("pp-ref", {"tp": 1})},
     ) as d:
         model_dir = d.setup.model.rsplit("/", 1)[0]
-        # engine_env(PP): one OpenMP binding entry per worker (vLLM's CPU backend asks one per rank)
-        user = start_user_engine(model_dir, 1, {"pipeline_parallel_size": PP}, env=engine_env(PP))
+        # replica_env(PP): one OpenMP binding entry per worker (vLLM's CPU backend asks one per
+        # rank), vLLM's engine core in the actor's process (one process fewer to start)
+        user = start_user_engine(model_dir, 1, {"pipeline_parallel_size": PP}, env=replica_env(PP))
         proxies: list[Any] = []
         try:
             wait_started([user], timeout_s=800)
