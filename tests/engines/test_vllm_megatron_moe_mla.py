@@ -5,30 +5,37 @@ Sources: four Megatron-Core 0.19.2 trainer ranks (gloo, Ray actors, local spec),
 set of actors rebuilt per case:
 
 - Qwen3-MoE at TP2 x EP2 (DP 2): each EP rank holds 4 of the 8 experts whole, attention is cut
-  by TP. The vLLM tiny config with 2 KV heads (its 1 KV head cannot be split by a Megatron TP2).
-  Destination: vLLM TP2 without expert parallel (experts cut by TP; vLLM CPU's EP engine loses
-  a worker when generating, docs/vllm.md).
+  by TP. The vLLM tiny config with 2 KV heads (with its 1 KV head at Megatron TP2, WeightSync's
+  megatron layout refuses the sources: nkv % tp != 0). Destination: vLLM TP2 without expert
+  parallel (experts cut by TP; vLLM CPU's EP engine loses a worker when generating, docs/vllm.md).
 - DeepSeek-V3 (MLA, noaux_tc router with expert_bias, a shared expert) at TP2 (DP 2) into
   vLLM TP2.
 
-Oracle for each: the same vLLM configuration loaded normally (`load_format="auto"`) from the
-reference checkpoint converted from the Megatron shards by their own split attributes
-(engines/megatron_convert.py), fp32 tensors included, so vLLM's loader does its own casts.
-Qwen3-MoE: both engines generate twice (the destination once on dummy weights, once after the
-sync); the oracle must repeat itself and the synced output must equal it bit for bit (token ids
-and every logprob). DeepSeek-V3 the same, plus every tensor the kernels read (vLLM's derived
+Both destinations are users' engines through the weightsync plugin: a `UserEngine`
+(sync_runtime/testing/vllm_user_engines.py, a plain Ray actor holding a `vllm.LLM` with
+`weight_transfer_config={"backend": "weightsync"}` and dummy weights, started with `replica_env`),
+attached with `ActorControl`; its `VllmEngineRanks` proxy answers ws_meta, the kernel state and
+the committed bytes while the user's actor generates and reports vLLM's weight version.
+
+Oracle for each: the same vLLM configuration loaded normally (`load_format="auto"`, a
+`VllmReplica`, through the reference cache) from the reference checkpoint converted from the
+Megatron shards by their own split attributes (engines/megatron_convert.py), fp32 tensors
+included, so vLLM's loader does its own casts.
+Qwen3-MoE: the oracle generates twice and must repeat itself; the destination generates once on
+dummy weights and once after the sync, which must equal the oracle bit for bit (token ids and
+every logprob); every tensor its kernels read (the prepacked experts included) must then have the
+oracle's checksum, and on dummy weights every expert tensor of each rank must not.
+DeepSeek-V3 the same by generation, plus every tensor the kernels read (vLLM's derived
 W_UV/W_UK_T included) against the oracle's, and the committed bytes of the fp32 expert bias
 against the source's fp32 checksum (a bf16 round trip as negative control). Prompts are
 generated one at a time: CPU MLA is not batch-invariant (docs/vllm.md).
 Negative control of generation: the destination's first call, on dummy weights, agrees with the
 oracle on no row.
-Only two engines run at a time. The Qwen3-MoE case starts and stops its own pair (its
-destination a `VllmReplica`); the DeepSeek-V3 destination is the session's shared dummy-weight
-engine (tests/engines/conftest.py `deepseek_tp2`, also synced by test_vllm_deepseek.py), whose
-dummy generation was recorded before any sync: a user's engine through the weightsync plugin
-(`UserEngine`, a plain Ray actor holding a `vllm.LLM` with the weightsync backend, attached with
-`ActorControl`), whose `VllmEngineRanks` proxy answers ws_meta, the kernel state and the
-committed bytes while the user's actor generates and reports vLLM's weight version.
+Only two engines run at a time. The Qwen3-MoE case starts and stops its own user's engine with
+its oracle (not shared with test_vllm_moe.py's `moe-tp`: that one holds the 1-KV-head config,
+the only real-engine check of vLLM's replicated KV head); the DeepSeek-V3 destination is the
+session's shared dummy-weight engine (tests/engines/conftest.py `deepseek_tp2`, also synced by
+test_vllm_deepseek.py), whose dummy generation was recorded before any sync.
 """
 
 from __future__ import annotations
@@ -54,17 +61,17 @@ from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.megatron_actors import build_all, start_trainers
 from sync_runtime.testing.megatron_deploy import save_reference
 from sync_runtime.testing.vllm_deploy import Generation
+from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
 from sync_runtime.transfer.checksum import checksum_tensor, hex_digest
 from tests.support.vllm_deploy import (
     CONFIGS,
     destination_ref,
     generations,
     kernel_checksums,
+    replica_env,
     rows_equal,
-    start_replica,
     stop_replicas,
     sync_spec,
-    wait_ready,
 )
 from tests.support.vllm_oracle import Oracles, finish_oracles, start_oracles
 
@@ -110,18 +117,24 @@ def _oracle(
 @contextlib.contextmanager
 def _engines(
     name: str, directory: Path, config: dict[str, Any], reference: dict[str, torch.Tensor], calls: int
-) -> Iterator[tuple[Any, list[Generation], list[dict[str, str]]]]:
-    """A dummy-weight engine and the oracle engine of the same config (started together, the
-    oracle only on a reference-cache miss); the oracle generates `calls` times, reports its
-    kernel checksums and is stopped before the body."""
+) -> Iterator[tuple[Any, Any, list[Generation], list[dict[str, str]]]]:
+    """(user's actor, its proxy, the oracle's generations, the oracle's kernel checksums): a
+    dummy-weight user's engine at TP 2 through the weightsync plugin (a `UserEngine` started with
+    `replica_env`, attached with `ActorControl` as replica 0 of destination `{name}-`), started
+    together with the oracle engine of the same config (only on a reference-cache miss); the
+    oracle generates `calls` times, reports its kernel checksums and is stopped before the body."""
     oracles = _oracle(name, directory, config, reference, calls)
-    engine = start_replica(f"{name}-r0", NS, str(directory), tp=2)
+    user = start_user_engine(str(directory), 2, env=replica_env(2))
+    proxies: list[Any] = []
     try:
-        wait_ready([engine], timeout_s=800)
+        wait_started([user], timeout_s=800)
+        proxies = attach_user_engines([user], f"{name}-", NS, tp=2, timeout_s=800)
         oracle = finish_oracles(oracles, timeout_s=800)["ref"]
-        yield engine, oracle["calls"], oracle["kernels"]
+        yield user, proxies[0], oracle["calls"], oracle["kernels"]
     finally:
-        stop_replicas([engine, *oracles.started.values()])
+        stop_replicas([user, *oracles.started.values()])  # the engine before its proxy
+        for proxy in proxies:
+            ray.kill(proxy)
 
 
 def _sync_and_generate(
@@ -213,17 +226,24 @@ def test_megatron_tp2_ep2_qwen3_moe_into_vllm_tp2_is_bit_identical(
     assert dtypes["model.layers.1.self_attn.q_norm.weight"] == "float32"
     assert dtypes["model.layers.1.mlp.experts.7.down_proj.weight"] == "bfloat16"
     assert set(case["reference"]) == {t.name for t in manifest.tensors}  # the converter covers all
-    with _engines("moe", tmp_path / "moe", MOE, case["reference"], 2) as (engine, ref, _):
-        layout = _check_layout(engine, manifest)
+    with _engines("moe", tmp_path / "moe", MOE, case["reference"], 2) as (engine, proxy, ref, ref_kernels):
+        layout = _check_layout(proxy, manifest)
         # experts cut by TP on the vLLM side, whole on each Megatron EP rank
         assert layout["model.layers.1.mlp.experts.routed_experts.w13_weight"][0] == (8, 128, 256)
+        dummy_kernels = kernel_checksums(proxy)
         spec = sync_spec(
             str(tmp_path / "moe"), NS, built[0]["spec"], [destination_ref("moe", NS, "moe-", DST)], "v1"
         )
         dummy, (synced,), seconds = _sync_and_generate(engine, spec, manifest, 1)
-        version = ray.get(engine.weight_version.remote())
+        version = ray.get(engine.weight_version.remote())  # vLLM's
+        proxy_version = ray.get(proxy.weight_version.remote())
+        kernels = kernel_checksums(proxy)
     print(f"moe: sync {seconds:.2f}s; oracle repeat rows equal: {rows_equal(ref[0], ref[1])}/4")
     assert ref[0] == ref[1]  # Qwen3-MoE on CPU repeats itself exactly
     assert synced == ref[1]  # token ids and every logprob bit
     assert rows_equal(dummy, ref[1]) == 0  # negative control: the dummy weights generate otherwise
-    assert version == "v1"
+    assert kernels == ref_kernels  # every tensor the kernels read, the prepacked experts included
+    for got, want in zip(dummy_kernels, ref_kernels, strict=True):  # negative control: per rank
+        experts = [n for n in want if n.endswith(("w13_weight", "w2_weight"))]
+        assert experts and all(got[n] != want[n] for n in experts)
+    assert version == "v1" and proxy_version == "v1"

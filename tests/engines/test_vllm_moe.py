@@ -17,7 +17,12 @@ WeightSync code involved). It loads, though: so its oracle is an EP engine loade
 checkpoint that never generates, and the synced EP engine must hold exactly its kernel state
 (every packed expert weight, norm and attention tensor, by checksum), after the first sync and
 after a second one; after a scrambled sync it must not (negative control). The bytes each rank
-applied are also checked against the layout's shard of the canonical weights."""
+applied are also checked against the layout's shard of the canonical weights.
+
+The model has a single KV head, which both engines replicate over their TP ranks: the only
+real-engine check of the vllm layout's replicated KV heads (tp > nkv). So its engines are its own,
+not shared with test_vllm_megatron_moe_mla.py's Qwen3-MoE TP 2 destination, whose config has 2 KV
+heads: with 1 at Megatron TP 2, WeightSync's megatron layout refuses its sources (nkv % tp != 0)."""
 
 from __future__ import annotations
 
