@@ -71,9 +71,11 @@ def qwen3_pair(
     shared_engines: Any,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Any]:
-    """Two dummy-weight Qwen3 `VllmReplica`s at TP 1 (replicas 0 and 1) whose workers carry both
-    modules' fault hooks, off until called (tests/support/vllm_pair_faults.py): test_vllm_delta,
-    test_vllm_dense (whose last test kills replica 1 and retires the pair)."""
+    """Two dummy-weight Qwen3 user's engines at TP 1 through the weightsync plugin (`UserEngine`s
+    attached with `ActorControl` as replicas 0 and 1: tests/support/shared_engines.py
+    `SharedPair`) whose workers carry both modules' fault hooks in a test worker extension, off
+    until called (tests/support/vllm_pair_faults.py): test_vllm_delta, test_vllm_dense (whose
+    last test kills replica 1 and retires the pair)."""
     from tests.support import shared_engines as se
     from tests.support.vllm_pair_faults import EXTENSION
 

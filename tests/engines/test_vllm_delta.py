@@ -2,12 +2,15 @@
 
 Sources: the demo's Megatron-layout actors (tp=2) taking sparse steps (sync_runtime/testing/
 sparse_steps.py: ~3% of the elements move by one bf16 ulp, as an RL optimizer step does, and a
-checkpoint of the same version is written from the canonical tensors). Destinations: two
-`VllmReplica` engines started with dummy weights, whose ranks keep the bytes of their last
-commit as the base of the next delta (engines/vllm_delta.py): the session's shared pair
-(tests/engines/conftest.py `qwen3_pair`, also synced by test_vllm_dense, which runs after this
-module and kills one of them last); its workers carry this module's base faults. Oracles: vLLM
-loaded normally from the checkpoint of each version (through the reference cache).
+checkpoint of the same version is written from the canonical tensors). Destinations: two user's
+engines through the weightsync plugin (`UserEngine` actors holding `vllm.LLM` with the weightsync
+backend, attached with `ActorControl` as replicas 0 and 1), started with dummy weights, whose
+ranks keep the bytes of their last commit as the base of the next delta (engines/vllm_delta.py):
+the session's shared pair (tests/engines/conftest.py `qwen3_pair`, also synced by
+test_vllm_dense, which runs after this module and kills one of them last); its workers carry this
+module's base faults in a test worker extension (tests/support/vllm_delta_faults.py, called
+through `collective_rpc`), which reach the weightsync backend's rank in each worker. Oracles:
+vLLM loaded normally from the checkpoint of each version (through the reference cache).
 
 Each sync is checked twice: the bytes every rank committed equal the version's shard, tensor by
 tensor (checksums against the canonical weights sharded by the vllm layout), and the engines'
@@ -54,6 +57,7 @@ from tests.support.vllm_deploy import (
     sync_spec,
 )
 from tests.support.vllm_oracle import finish_oracles, start_oracles
+from tests.support.vllm_pair_faults import worker_call
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-delta"
@@ -185,7 +189,15 @@ def deployment(
         dst = destination_ref("inference", qwen3_pair.namespace, qwen3_pair.prefix, DST)
         spec = sync_spec(setup.model, NS, SRC, [dst], "v1", bucket_mb=1, staging_budget_mb=2)
         engines = list(qwen3_pair.handles)  # the shared pair, at whatever version it was left
-        yield {"setup": setup, "manifest": manifest, "engines": engines, "refs": refs, "spec": spec}
+        proxies = list(qwen3_pair.proxies)  # their VllmEngineRanks (ws_meta, ws_rank_call)
+        yield {
+            "setup": setup,
+            "manifest": manifest,
+            "engines": engines,
+            "proxies": proxies,
+            "refs": refs,
+            "spec": spec,
+        }
     finally:
         stop_replicas([h for o in oracles.values() for h in o.started.values()])
         kill_participants(setup)
@@ -213,8 +225,15 @@ def _sync(d: dict[str, Any], version: str) -> SyncReport:
     return report
 
 
-def _rank_call(engine: Any, method: str) -> Any:
-    return ray.get(engine.ws_rank_call.remote(0, method, ()))
+def _rank_call(proxy: Any, method: str) -> Any:
+    """A rank protocol method of the replica's (one) rank, through its proxy."""
+    return ray.get(proxy.ws_rank_call.remote(0, method, ()))
+
+
+def _hook(engine: Any, method: str) -> Any:
+    """A test hook of the replica's (one) worker: the pair's worker extension, by collective_rpc."""
+    (answer,) = worker_call(engine, method)
+    return answer
 
 
 def _committed_as(d: dict[str, Any], steps: int) -> None:
@@ -222,14 +241,14 @@ def _committed_as(d: dict[str, Any], steps: int) -> None:
     those bytes as its base."""
     canon = stepped_weights(d["manifest"], 0, "v1", steps, FRACTION)
     layout = get_layout("vllm")
-    for k, engine in enumerate(d["engines"]):
+    for k, (engine, proxy) in enumerate(zip(d["engines"], d["proxies"], strict=True)):
         coord = RankCoord(role=Role.DESTINATION, replica=k)
         shard = materialize(layout.shard(d["manifest"], DST, coord), canon)
         want = {n: hex_digest(checksum_tensor(bits_to_torch(a))) for n, a in shard.items()}
-        got = _rank_call(engine, "ws_checksums")
+        got = _rank_call(proxy, "ws_checksums")
         bad = sorted(n for n in want.keys() | got.keys() if want.get(n) != got.get(n))
         assert not bad, f"replica {k}: {len(bad)} tensor(s) differ from the version's shard, e.g. {bad[0]}"
-        assert _rank_call(engine, "ws_base_checksums") == got  # the kept base: the committed bytes
+        assert _hook(engine, "wstest_base_checksums") == got  # the kept base: the committed bytes
 
 
 def _generates_as(d: dict[str, Any], version: str) -> list:
@@ -260,8 +279,8 @@ def test_a_replica_without_its_base_takes_the_sync_in_full_in_the_same_run(
     deployment: dict[str, Any],
 ) -> None:
     d = deployment
-    _rank_call(d["engines"][1], "ws_forget_base")  # as after an engine restart
-    metas = [ray.get(e.ws_meta.remote())[0] for e in d["engines"]]
+    _hook(d["engines"][1], "wstest_forget_base")  # as after an engine restart
+    metas = [ray.get(p.ws_meta.remote())[0] for p in d["proxies"]]
     assert [m.live_base for m in metas] == [True, False]
     _step(d, 2, "v3")
     report = _sync(d, "v3")
@@ -273,9 +292,9 @@ def test_a_replica_without_its_base_takes_the_sync_in_full_in_the_same_run(
 
 def test_an_altered_base_fails_the_checksum_and_is_repaired_in_full(deployment: dict[str, Any]) -> None:
     d = deployment
-    altered = _rank_call(d["engines"][0], "ws_alter_base")
-    before = _rank_call(d["engines"][0], "ws_checksums")
-    assert _rank_call(d["engines"][0], "ws_base_checksums")[altered] != before[altered]
+    altered = _hook(d["engines"][0], "wstest_alter_base")
+    before = _rank_call(d["proxies"][0], "ws_checksums")
+    assert _hook(d["engines"][0], "wstest_base_checksums")[altered] != before[altered]
     _step(d, 3, "v4")
     report = _sync(d, "v4")
     # the rebuilt region failed its checksum: nothing committed, the sync redone in full

@@ -1,13 +1,16 @@
 """Real vLLM destinations, dense Qwen3 (tied embeddings), TP 1, two replicas.
 
-Sources: the demo's Megatron-layout actors (tp=2). Destinations: two `VllmReplica` actors, each a
-vLLM 0.32 CPU engine started with dummy weights: the session's shared pair (tests/engines/
-conftest.py `qwen3_pair`, also synced by test_vllm_delta), whose dummy generations were recorded
-before any sync. Oracle: the same vLLM loaded normally from the reference checkpoint (the demo's
-canonical tensors written as an HF model dir).
+Sources: the demo's Megatron-layout actors (tp=2). Destinations: two user's engines through the
+weightsync plugin, each a vLLM 0.32 CPU engine started with dummy weights in a `UserEngine` actor
+(`vllm.LLM` with `weight_transfer_config={"backend": "weightsync"}`, nothing from WeightSync)
+attached with `ActorControl` as replica 0 or 1 (its `VllmEngineRanks` proxy `{prefix}r{k}`): the
+session's shared pair (tests/engines/conftest.py `qwen3_pair`, also synced by test_vllm_delta),
+whose dummy generations were recorded before any sync. Oracle: the same vLLM loaded normally from
+the reference checkpoint (the demo's canonical tensors written as an HF model dir).
 
-The last test kills replica 1 mid-transfer and retires the pair (the module runs after the pair's
-other users, `RETIRES_SHARED`; one that uses it later still starts another).
+The last test kills replica 1's worker mid-transfer (a hook of the pair's test worker extension,
+tests/support/vllm_faults.py, armed through `collective_rpc`) and retires the pair (the module
+runs after the pair's other users, `RETIRES_SHARED`; one that uses it later still starts another).
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.schema.report import NullReporter, SyncResult
 from sync_runtime.testing.cluster import train_step
 from tests.support.vllm_deploy import CONFIGS, deploy, destination_ref, generations, rows_equal, sync_spec
+from tests.support.vllm_pair_faults import worker_call
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(600)]
 NS = "vllm-dense"
 DST = ParallelSpec.parse("tp=1,replicas=2")
 RETIRES_SHARED = ("qwen3_pair",)
 """The last test kills a replica of the shared pair: this module runs after its other users."""
+KILL_TIMEOUT_S = 20
+"""The transfer timeout of the sync whose destination is killed (the others': 60 s)."""
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,8 @@ def deployment(
         )
         yield {
             "setup": d.setup,
-            "replicas": list(qwen3_pair.handles),
+            "replicas": list(qwen3_pair.handles),  # the users' actors: generation, weight version
+            "proxies": list(qwen3_pair.proxies),  # their VllmEngineRanks: ws_meta
             "prefix": qwen3_pair.prefix,
             "dummy": qwen3_pair.dummy,
             "ref_v2": d.reference_calls[0]["ref"],
@@ -72,7 +79,7 @@ def deployment(
 
 def test_engine_reports_the_layouts_tensors(deployment: dict[str, Any]) -> None:
     """Names, per-rank shapes and dtypes read from the live engine equal the vllm layout's."""
-    metas = ray.get(deployment["replicas"][0].ws_meta.remote())
+    metas = ray.get(deployment["proxies"][0].ws_meta.remote())
     assert len(metas) == 1
     got = {t.name: (tuple(t.shape), t.dtype) for t in metas[0].tensors}
     shard = get_layout("vllm").shard(deployment["manifest"], DST, metas[0].coord)
@@ -101,6 +108,7 @@ def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment:
         assert report.result is SyncResult.SUCCEEDED, report.failure
         v1 = generations(replicas)
         assert ray.get([h.weight_version.remote() for h in replicas]) == ["v1", "v1"]
+        assert ray.get([p.weight_version.remote() for p in deployment["proxies"]]) == ["v1", "v1"]
         train_step(setup, "v2")  # the sources' tensors change
         report = coordinator.sync("v2")
         assert report.result is SyncResult.SUCCEEDED, report.failure
@@ -117,12 +125,17 @@ def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment:
 def test_a_destination_killed_mid_transfer_leaves_the_others_serving(
     deployment: dict[str, Any], shared_engines: Any
 ) -> None:
-    setup, (r0, r1) = deployment["setup"], deployment["replicas"]
+    setup, (r0, r1), p0 = deployment["setup"], deployment["replicas"], deployment["proxies"][0]
     before = generations([r0])[0]
     train_step(setup, "v3")
     try:
-        ray.get(r1.ws_rank_call.remote(0, "ws_arm_exit", (1,)))  # dies after round 0 of its ws_run
+        worker_call(r1, "wstest_arm_exit", 1)  # replica 1's worker dies after round 0 of its ws_run
+        # Replica 1's proxy does not see its engine die (ActorControl.alive of a user's actor is
+        # always True): its ws_run never answers, and the coordinator gives up on it only at the
+        # transfer deadline (timeout + margin: 75 s with the module's 60 s; 25 s with this one).
         spec = deployment["spec"]
+        transport = spec.transport.model_copy(update={"transfer_timeout_seconds": KILL_TIMEOUT_S})
+        spec = spec.model_copy(update={"transport": transport})
         coordinator = Coordinator(spec, NullReporter(), manifest=deployment["manifest"])
         try:
             report = coordinator.sync("v3")
@@ -132,7 +145,10 @@ def test_a_destination_killed_mid_transfer_leaves_the_others_serving(
         print("killed mid-transfer:", report.failure.reason, report.failure.rank, report.failure.message)
         assert ray.get(r0.weight_version.remote()) == "v2"
         assert generations([r0])[0] == before == deployment.get("v2_gen", [before])[0]
-        meta = dataclasses.replace(ray.get(r0.ws_meta.remote())[0])
+        assert ray.get(p0.weight_version.remote()) == "v2"
+        meta = dataclasses.replace(ray.get(p0.ws_meta.remote())[0])
         assert meta.version == "v2"
+        with pytest.raises(ray.exceptions.RayTaskError):  # the fault hit replica 1: its engine is dead
+            ray.get(deployment["proxies"][1].ws_meta.remote(), timeout=60)
     finally:
         shared_engines.retire("qwen3_pair")  # replica 1's engine is dead (or armed): nobody reuses it

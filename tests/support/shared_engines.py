@@ -25,7 +25,7 @@ import pytest
 import ray
 
 from sync_runtime.runtime.hf_manifest import build_manifest
-from sync_runtime.testing.vllm_deploy import Generation, generations, stop_replicas, wait_ready
+from sync_runtime.testing.vllm_deploy import Generation, generations, stop_replicas
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
 
 USERS: dict[str, set[str]] = {}
@@ -193,10 +193,15 @@ def _stop_user_engine(handle: Any, proxies: Sequence[Any]) -> None:
 
 @dataclass
 class SharedPair:
-    """Dummy-weight TP 1 `VllmReplica`s (replicas 0, 1) shared by modules: their destination is
-    (namespace, prefix)."""
+    """Dummy-weight TP 1 user's engines through the weightsync plugin (replicas 0, 1), shared by
+    modules: `UserEngine`s (plain Ray actors holding `vllm.LLM` with the weightsync backend and a
+    test worker extension) attached with `ActorControl`; their destination is (namespace,
+    prefix), replica k of which is the proxy `{prefix}r{k}`."""
 
     handles: list[Any]
+    """The users' actors: generation, vLLM's weight version, the worker extension's test hooks."""
+    proxies: list[Any]
+    """Their attached `VllmEngineRanks` proxies: ws_meta, ws_rank_call, weight version."""
     namespace: str
     prefix: str
     model_dir: str
@@ -207,33 +212,47 @@ class SharedPair:
 def start_shared_pair(
     model: str, directory: Path, namespace: str, prefix: str, *, extension: str, replicas: int = 2
 ) -> SharedPair:
-    """`replicas` dummy-weight TP 1 replicas of CONFIGS[model] (started together), up, with
-    their dummy generations recorded."""
-    from tests.support.vllm_deploy import start_replica
+    """`replicas` dummy-weight TP 1 user's engines of CONFIGS[model] (started together, with
+    `replica_env(1)`: vLLM's engine core in the actor's process, as `start_shared_replica`'s),
+    whose workers carry the test worker extension `extension` (vLLM's `worker_extension_cls`),
+    up and attached as replicas 0.. of one destination, with their dummy generations recorded."""
+    from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
+    from tests.support.vllm_deploy import replica_env
 
     config = CONFIGS[model]
     model_dir = write_model(directory, config, build_manifest(config), seed=0, version="v1")
-    handles = [
-        start_replica(f"{prefix}r{k}", namespace, model_dir, tp=1, replica=k, extension=extension)
-        for k in range(replicas)
-    ]
+    extra = {"worker_extension_cls": extension}
+    handles = [start_user_engine(model_dir, 1, extra, env=replica_env(1)) for _ in range(replicas)]
+    proxies: list[Any] = []
     try:
-        wait_ready(handles, timeout_s=800)
-        return SharedPair(handles, namespace, prefix, model_dir, generations(handles))
+        wait_started(handles, timeout_s=800)
+        proxies = attach_user_engines(handles, prefix, namespace, tp=1, timeout_s=800)
+        return SharedPair(handles, proxies, namespace, prefix, model_dir, generations(handles))
     except BaseException:
-        stop_replicas(handles)
+        _stop_user_engines(handles, proxies)
         raise
 
 
 def pair_alive(shared: SharedPair) -> bool:
     """Every replica's engine answers a call that reaches its workers (a rank killed by a fault
-    test leaves the actor up and its engine dead)."""
+    test leaves the user's actor and its proxy up and its engine dead: the proxy's ws_meta then
+    fails at vLLM's `start_weight_update`), and every user's actor answers."""
     try:
-        ray.get([h.ws_meta.remote() for h in shared.handles], timeout=60)
-    except Exception:  # a dead actor or engine: start another pair
+        calls = [p.ws_meta.remote() for p in shared.proxies] + [
+            h.weight_version.remote() for h in shared.handles
+        ]
+        ray.get(calls, timeout=60)
+    except Exception:  # a dead actor, proxy or engine: start another pair
         return False
     return True
 
 
 def stop_shared_pair(shared: SharedPair) -> None:
-    stop_replicas(shared.handles)
+    _stop_user_engines(shared.handles, shared.proxies)
+
+
+def _stop_user_engines(handles: Sequence[Any], proxies: Sequence[Any]) -> None:
+    """The engines first (their processes, then the users' actors), then their proxies."""
+    stop_replicas(handles)
+    for proxy in proxies:
+        ray.kill(proxy)
