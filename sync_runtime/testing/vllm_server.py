@@ -66,7 +66,9 @@ def serve_args(
         "--enforce-eager",
         "--seed=0",
         "--no-enable-prefix-caching",
-        "--distributed-executor-backend=mp",
+        # no --distributed-executor-backend: vLLM's default, as users start it ("uni" for one
+        # worker: it runs in the engine core's process, one process fewer to start; "mp" for TP
+        # or DP > 1 on one node)
         "--enable-scale-out",  # mounts /inference/v1/generate (token ids in and out)
     ]
     if backend:
