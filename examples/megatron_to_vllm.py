@@ -149,7 +149,6 @@ class Rollout:
             load_format=load_format,
             skip_tokenizer_init=True,
             dtype="bfloat16",
-            distributed_executor_backend="mp",  # the engine's workers are this actor's children
             enable_prefix_caching=False,
             max_model_len=128,
             max_num_seqs=4,
@@ -175,7 +174,10 @@ class Rollout:
 
 
 def engine_env() -> dict[str, str]:
-    """CPU vLLM: a small KV cache, and this package on the engine's worker processes' path."""
+    """CPU vLLM: a small KV cache, this package on the path of any process the engine starts, and
+    the engine core in the actor's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as RL
+    frameworks run `vllm.LLM`); with one worker vLLM runs it there too (its "uni" executor), so the
+    whole engine is this one process: none to start, none to outlive the actor."""
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {
@@ -183,6 +185,7 @@ def engine_env() -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
         "PYTHONPATH": path,
         "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     }
 
 

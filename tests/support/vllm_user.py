@@ -28,7 +28,10 @@ class AsyncUserEngine:
         """Build the engine on the actor's event loop (AsyncLLM binds its output handler to it)."""
         from vllm import AsyncEngineArgs, AsyncLLMEngine
 
-        args = AsyncEngineArgs(**engine_args(self.model, self.tp))
+        # at TP 1 the worker runs in the engine core's process (vLLM's default executor for one
+        # worker, "uni"): one process fewer to start; AsyncLLM keeps its engine core apart
+        uni = {"distributed_executor_backend": "uni"} if self.tp == 1 else {}
+        args = AsyncEngineArgs(**(engine_args(self.model, self.tp) | uni))
         self.engine = AsyncLLMEngine.from_engine_args(args)
         return str(await self.engine.get_weight_version())
 
