@@ -97,3 +97,35 @@ def test_pause_resume_and_version_reach_the_async_engine() -> None:
     assert asyncio.run(actor.weightsync("version")) == "v7"
     with pytest.raises(DestinationError, match="unknown engine operation 'nope'"):
         asyncio.run(actor.weightsync("nope"))
+
+
+def _llm_with(client: Any) -> SyncActor:
+    actor = SyncActor()
+    actor.llm.llm_engine = type("Engine", (), {"engine_core": client})()  # type: ignore[attr-defined]
+    return actor
+
+
+def test_an_llms_failed_engine_is_reported_dead_whichever_process_holds_its_core() -> None:
+    """The liveness probe's answer inside the actor: vLLM's core in its own process marks its client's
+    resources dead; an in-process core's executor marks itself failed."""
+    apart = type("Client", (), {"resources": type("R", (), {"engine_dead": False})()})()
+    inproc = type(
+        "Client", (), {"engine_core": type("Core", (), {"model_executor": type("X", (), {})()})()}
+    )()
+    inproc.engine_core.model_executor.is_failed = False
+    for client, fail in (
+        (apart, lambda: setattr(apart.resources, "engine_dead", True)),
+        (inproc, lambda: setattr(inproc.engine_core.model_executor, "is_failed", True)),
+    ):
+        actor = _llm_with(client)
+        assert vllm_actor._llm_call(actor, None, "alive", ()) is True
+        fail()
+        assert vllm_actor._llm_call(actor, None, "alive", ()) is False
+
+
+def test_an_async_engines_liveness_is_its_errored_flag() -> None:
+    actor = AsyncActor()
+    actor.engine.errored = False  # type: ignore[attr-defined]
+    assert asyncio.run(actor.weightsync("alive")) is True
+    actor.engine.errored = True  # type: ignore[attr-defined]
+    assert asyncio.run(actor.weightsync("alive")) is False

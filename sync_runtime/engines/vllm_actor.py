@@ -32,6 +32,8 @@ from typing import Any
 from sync_runtime.engines.vllm_ranks import ANSWER_TIMEOUT_S
 from sync_runtime.errors import DestinationError
 
+PROBE_S = 5.0
+"""How long `ActorControl.alive` waits for the actor's answer before taking it as busy."""
 ADAPTER = "weightsync"
 """The async method an actor holding an `AsyncLLM` exposes (see module doc)."""
 
@@ -89,6 +91,10 @@ def _llm_call(instance: Any, attr: str | None, op: str, args: tuple) -> Any:
         return llm.finish_weight_update(weight_version=args[0])
     if op == "version":
         return str(llm.get_weight_version())
+    if op == "alive":
+        from sync_runtime.engines.vllm_apply import llm_engine_failed
+
+        return not llm_engine_failed(llm)
     raise DestinationError(f"unknown engine operation {op!r}")
 
 
@@ -119,6 +125,8 @@ async def weightsync_control(engine: Any, op: str, *args: Any) -> Any:
         return await engine.resume_generation()
     if op == "version":
         return str(await engine.get_weight_version())
+    if op == "alive":
+        return not engine.errored
     raise DestinationError(f"unknown engine operation {op!r}")
 
 
@@ -141,10 +149,13 @@ class ActorControl:
 
         return ray.get(ref, timeout=self.timeout_s)
 
-    def _call(self, op: str, *args: Any) -> Any:
+    def _ref(self, op: str, *args: Any) -> Any:
         if self.kind == "async":
-            return self._get(getattr(self.actor, ADAPTER).remote(op, *args))
-        return self._get(self.actor.__ray_call__.remote(_llm_call, self.attr, op, args))
+            return getattr(self.actor, ADAPTER).remote(op, *args)
+        return self.actor.__ray_call__.remote(_llm_call, self.attr, op, args)
+
+    def _call(self, op: str, *args: Any) -> Any:
+        return self._get(self._ref(op, *args))
 
     def world_size(self) -> int:
         return int(self._call("world_size"))
@@ -176,4 +187,16 @@ class ActorControl:
         return str(self._call("version"))
 
     def alive(self) -> bool:
-        return True  # a dead actor fails the next control call instead
+        """False once the actor is gone or its engine has failed (a worker died): the proxy then
+        fails its wait for a worker's answer at once instead of at the transfer deadline. An
+        actor that does not answer within PROBE_S is busy, not dead: an `LLM`'s actor runs one
+        call at a time, and a generate call may hold it."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        try:
+            return bool(ray.get(self._ref("alive"), timeout=PROBE_S))
+        except GetTimeoutError:
+            return True
+        except RayActorError:
+            return False

@@ -10,8 +10,9 @@ Two jobs, both inside a vLLM worker process:
 
 This is the one module that names vLLM's private API (`vllm.model_executor.model_loader.
 reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`;
-`set_default_quant_scales` of its attention layers; and where an engine speculates with MTP, its
-worker's `model_runner.drafter.model`, see `mtp_drafter`). It changes between
+`set_default_quant_scales` of its attention layers; where an engine speculates with MTP, its
+worker's `model_runner.drafter.model`, see `mtp_drafter`; and, in a user's actor, whether an
+`LLM`'s engine failed, see `llm_engine_failed`). It changes between
 releases, so `KNOWN_VLLM` lists the releases whose internals were read and found to hold those
 names with the meaning used here, and
 `require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
@@ -71,6 +72,20 @@ def check_vllm_version(version: str) -> str:
             "through vLLM's private reload internals, which change between releases"
         )
     return version
+
+
+def llm_engine_failed(llm: Any) -> bool:
+    """Whether a `vllm.LLM`'s engine has failed (a worker died): vLLM's `LLM` has no public health
+    check (`AsyncLLM.errored` is one), so this reads what its engine core client keeps: with the
+    core in its own process (vLLM's default) the client's `resources.engine_dead`, set when the
+    core reports or shows its death; with the core in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
+    its executor's `is_failed`, set by the executor's worker monitor. Same names in 0.31 and 0.32."""
+    client = llm.llm_engine.engine_core
+    resources = getattr(client, "resources", None)
+    if resources is not None:
+        return bool(getattr(resources, "engine_dead", False))
+    executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
+    return bool(getattr(executor, "is_failed", False))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
