@@ -33,7 +33,6 @@ Why this model: the largest that fits next to the other work on this 2-core, 23 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -63,7 +62,7 @@ from sync_runtime.testing.cluster import (
     start_local_ray,
     weightsync_spec,
 )
-from sync_runtime.testing.vllm_deploy import generations, stop_replicas
+from sync_runtime.testing.vllm_deploy import generations, stop_engines_and_proxies
 from sync_runtime.testing.vllm_models import CONFIGS, PROMPTS, write_model
 from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
 
@@ -252,10 +251,7 @@ def main() -> int:
         idle_rss = procs.rss()
         res = run_phases(setup, engine, proxies[0], procs, args.repeats, address)
     finally:
-        stop_replicas([engine])  # the engine first: its workers leave the sync group
-        for p in proxies:
-            with contextlib.suppress(Exception):
-                ray.kill(p)
+        stop_engines_and_proxies([engine], proxies)
         kill_participants(setup)
         ray.shutdown()
     summary = summarize(res, manifest.nbytes, (work / "model" / "model.safetensors").stat().st_size, TP)

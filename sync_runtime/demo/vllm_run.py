@@ -27,7 +27,6 @@ through the plugin, docs/vllm.md "What is not there yet").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -62,6 +61,7 @@ from sync_runtime.testing.vllm_deploy import (
     Generation,
     generations,
     replica_env,
+    stop_engines_and_proxies,
     stop_replicas,
     token_rows_equal,
 )
@@ -230,10 +230,7 @@ def _deploy_and_check(
             console.print(f"  the engines' weight version labels after the sync: {labels}")
         return _conclude(setup, args, console, work, report, outcomes, ref, started, labels)
     finally:
-        stop_replicas(engines)  # the engines first: their workers leave the sync group
-        for p in proxies:
-            with contextlib.suppress(Exception):
-                ray.kill(p)
+        stop_engines_and_proxies(engines, proxies)
         kill_participants(setup)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +163,12 @@ def stop_replicas(handles: Sequence[Any]) -> None:
         with contextlib.suppress(Exception):  # already stopped, or its engine died (fault tests)
             ray.get(h.shutdown.remote(), timeout=60)
         ray.kill(h)
+
+
+def stop_engines_and_proxies(handles: Sequence[Any], proxies: Iterable[Any]) -> None:
+    """`stop_replicas(handles)`, then kill the WeightSync proxies attached to them: the engines
+    first, so that their workers leave the sync group before the proxy holding it goes."""
+    stop_replicas(handles)
+    for proxy in proxies:
+        with contextlib.suppress(Exception):  # in a `finally`: never mask what failed before
+            ray.kill(proxy)

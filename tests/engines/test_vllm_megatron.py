@@ -47,7 +47,7 @@ from tests.support.vllm_deploy import (
     generations,
     replica_env,
     rows_equal,
-    stop_replicas,
+    stop_engines_and_proxies,
     sync_spec,
 )
 from tests.support.vllm_oracle import Oracles, finish_oracles, start_oracles
@@ -116,9 +116,7 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
             "manifest": build_manifest(built[0]["model_config"]),  # the sources' dtypes: the wire's
         }
     finally:
-        stop_replicas([*handles, *(h for o in oracles for h in o.started.values())])
-        for proxy in proxies:
-            ray.kill(proxy)
+        stop_engines_and_proxies([*handles, *(h for o in oracles for h in o.started.values())], proxies)
         for h in trainers:
             ray.kill(h, no_restart=True)
 

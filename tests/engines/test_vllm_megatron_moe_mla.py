@@ -70,6 +70,7 @@ from tests.support.vllm_deploy import (
     kernel_checksums,
     replica_env,
     rows_equal,
+    stop_engines_and_proxies,
     stop_replicas,
     sync_spec,
 )
@@ -132,9 +133,7 @@ def _engines(
         oracle = finish_oracles(oracles, timeout_s=800)["ref"]
         yield user, proxies[0], oracle["calls"], oracle["kernels"]
     finally:
-        stop_replicas([user, *oracles.started.values()])  # the engine before its proxy
-        for proxy in proxies:
-            ray.kill(proxy)
+        stop_engines_and_proxies([user, *oracles.started.values()], proxies)
 
 
 def _sync_and_generate(

@@ -49,7 +49,7 @@ from tests.support.vllm_deploy import (
     destination_ref,
     kernel_checksums,
     replica_env,
-    stop_replicas,
+    stop_engines_and_proxies,
     sync_spec,
 )
 
@@ -89,9 +89,7 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
                 "ref_kernels": d.reference_kernels["ref"],
             }
         finally:
-            stop_replicas([user])
-            for p in proxies:
-                ray.kill(p)
+            stop_engines_and_proxies([user], proxies)
 
 
 def test_each_stage_is_one_rank_holding_its_layers(deployment: dict[str, Any]) -> None:

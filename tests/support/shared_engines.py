@@ -25,7 +25,7 @@ import pytest
 import ray
 
 from sync_runtime.runtime.hf_manifest import build_manifest
-from sync_runtime.testing.vllm_deploy import Generation, generations, stop_replicas
+from sync_runtime.testing.vllm_deploy import Generation, generations, stop_engines_and_proxies
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
 
 USERS: dict[str, set[str]] = {}
@@ -167,7 +167,7 @@ def start_shared_replica(
         kernels = kernel_checksums(proxies[0])
         return SharedReplica(handle, proxies[0], namespace, prefix, model_dir, dummy, kernels)
     except BaseException:
-        _stop_user_engine(handle, proxies)
+        stop_engines_and_proxies([handle], proxies)
         raise
 
 
@@ -181,14 +181,7 @@ def replica_alive(shared: SharedReplica) -> bool:
 
 
 def stop_shared_replica(shared: SharedReplica) -> None:
-    _stop_user_engine(shared.handle, [shared.proxy])
-
-
-def _stop_user_engine(handle: Any, proxies: Sequence[Any]) -> None:
-    """The engine first (its processes, then the user's actor), then its proxy."""
-    stop_replicas([handle])
-    for proxy in proxies:
-        ray.kill(proxy)
+    stop_engines_and_proxies([shared.handle], [shared.proxy])
 
 
 @dataclass
@@ -229,7 +222,7 @@ def start_shared_pair(
         proxies = attach_user_engines(handles, prefix, namespace, tp=1, timeout_s=800)
         return SharedPair(handles, proxies, namespace, prefix, model_dir, generations(handles))
     except BaseException:
-        _stop_user_engines(handles, proxies)
+        stop_engines_and_proxies(handles, proxies)
         raise
 
 
@@ -248,11 +241,4 @@ def pair_alive(shared: SharedPair) -> bool:
 
 
 def stop_shared_pair(shared: SharedPair) -> None:
-    _stop_user_engines(shared.handles, shared.proxies)
-
-
-def _stop_user_engines(handles: Sequence[Any], proxies: Sequence[Any]) -> None:
-    """The engines first (their processes, then the users' actors), then their proxies."""
-    stop_replicas(handles)
-    for proxy in proxies:
-        ray.kill(proxy)
+    stop_engines_and_proxies(shared.handles, shared.proxies)

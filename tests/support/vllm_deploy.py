@@ -25,6 +25,7 @@ from sync_runtime.testing.vllm_deploy import (
     destination_ref,
     generations,
     rows_equal,
+    stop_engines_and_proxies,
     stop_replicas,
     sync_spec,
     wait_ready,
@@ -49,6 +50,7 @@ __all__ = [
     "replica_env",
     "rows_equal",
     "start_replica",
+    "stop_engines_and_proxies",
     "stop_replicas",
     "sync_spec",
     "wait_ready",
@@ -160,7 +162,7 @@ def deploy(
         kernels = {k: v["kernels"] for k, v in out.items()}
         yield Deployment(setup, manifest, started, calls, kernels, users, proxies)
     finally:
-        stop_replicas([*started.values(), *users.values(), *oracles.started.values()])
-        for proxy in proxies.values():
-            ray.kill(proxy)
+        stop_engines_and_proxies(
+            [*started.values(), *users.values(), *oracles.started.values()], proxies.values()
+        )
         kill_participants(setup)
