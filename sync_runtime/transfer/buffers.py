@@ -115,6 +115,7 @@ def pack_bucket(
     direct_min_bytes: int = 0,
     wire: DtypeOf | None = None,
     delta: DeltaIO | None = None,
+    emit: Callable[[torch.Tensor], None] | None = None,
 ) -> Outgoing:
     """Build a bucket's messages and write every transfer's checksum into the tail's header.
 
@@ -122,7 +123,9 @@ def pack_bucket(
     contiguous, else the packed copy (the region's elements in row-major order either way).
     `wire`: the dtype each transfer travels in, where it may differ from the tensor's (a relay's
     staging); None: the tensors' own dtypes. `delta`: the sync's delta-format transfers
-    (delta_wire.py); the checksum is then still the full new region's.
+    (delta_wire.py); the checksum is then still the full new region's. `emit`: called with each
+    direct message as soon as it is built, so it can go on the wire while the rest is packed (the
+    tail, which carries every checksum, is built last).
     """
     in_delta = delta is not None and delta.applies(bucket.dst_rank)
     layout = message_layout(bucket, delta_direct_min(direct_min_bytes) if in_delta else direct_min_bytes)
@@ -136,6 +139,8 @@ def pack_bucket(
             sums[i] = checksum_bytes(new)
             out.messages.append(delta.encode(t, bucket.dst_rank, new, source(t.src_name)))  # type: ignore[union-attr]
             out.pooled.append(False)
+            if emit is not None:
+                emit(out.messages[-1])
             continue
         dtype = region.dtype if wire is None else wire(t)
         if region.is_contiguous() and region.device == device and region.dtype == dtype:
@@ -146,6 +151,8 @@ def pack_bucket(
         sums[i] = checksum_bytes(msg)
         out.messages.append(msg)
         out.pooled.append(pooled)
+        if emit is not None:
+            emit(msg)
     tail = _get(pool, layout.tail_nbytes, device)
     for i, off in zip(layout.packed, layout.offsets, strict=True):
         t = bucket.transfers[i]

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -50,6 +51,8 @@ from sync_runtime.transfer.waiter import Completion, Key, Message, MessageWaiter
 
 log = logging.getLogger("weightsync.transfer")
 ProgressFn = Callable[[int, int], None]
+Emit = Callable[[torch.Tensor], None]
+"""Called with each direct message of a bucket as soon as it is packed (buffers.pack_bucket)."""
 _MsgRef = tuple[int, int]
 """(bucket index in the round, message index in the bucket)."""
 
@@ -156,11 +159,11 @@ class _Executor:
         return self.destination.staged(name)
 
     @span("transfer.pack_and_checksum")
-    def _pack(self, round_index: int, j: int, bucket: Bucket) -> Outgoing:
+    def _pack(self, round_index: int, j: int, bucket: Bucket, emit: Emit | None = None) -> Outgoing:
         self.where = f"round {round_index} (packing bucket {j} for rank {bucket.dst_rank})"
         cfg, pool = self.config, self.group.buffers
         out = pack_bucket(
-            bucket, self._source, self.device, pool, cfg.direct_min_bytes, self.wire.send, self.delta
+            bucket, self._source, self.device, pool, cfg.direct_min_bytes, self.wire.send, self.delta, emit
         )
         if self.hooks is not None and self.hooks.after_pack is not None:
             self.hooks.after_pack(round_index, bucket, out.tail)
@@ -203,14 +206,25 @@ class _Executor:
                 flight, work, ("recv", k), f"recv from rank {b.src_rank} ({b.nbytes} bytes)", b.src_rank
             )
         for j, b in enumerate(send_buckets):
-            flight.outgoing[j] = packed[j] if packed is not None else self._pack(i, j, b)
-            first = len(flight.send_refs)
-            sends = self._send_list(flight, (b,), stags, j)
-            for k, work in enumerate(self.group.post(sends, []), start=first):
-                self._track(
-                    flight, work, ("send", k), f"send to rank {b.dst_rank} ({b.nbytes} bytes)", b.dst_rank
-                )
+            sent: list[torch.Tensor] = []  # bucket j's messages posted so far
+            if packed is not None:
+                out = flight.outgoing[j] = packed[j]
+            else:  # each direct message goes out once built (the receiver lands it while the rest
+                # is packed); the tail, which carries every checksum, goes last
+                out = flight.outgoing[j] = self._pack(i, j, b, partial(self._post, flight, j, b, stags, sent))
+            self._post(flight, j, b, stags, sent, *out.messages[len(sent) :])
         return flight
+
+    def _post(self, flight: _Round, j: int, b: Bucket, tags: Tags, sent: list, *msgs: torch.Tensor) -> None:
+        """Post the next messages of send bucket `j` (`sent`: those already posted, extended)."""
+        first = len(flight.send_refs)
+        sends = [(b.dst_rank, buf, tags.next(b.dst_rank)) for buf in msgs]
+        flight.send_refs += [(j, len(sent) + m) for m in range(len(msgs))]
+        sent.extend(msgs)
+        flight.sends_left[j] = len(sent)  # the bucket's total once its tail is posted
+        text = f"send to rank {b.dst_rank} ({b.nbytes} bytes)"
+        for k, work in enumerate(self.group.post(sends, []), start=first):
+            self._track(flight, work, ("send", k), text, b.dst_rank)
 
     def _send_list(
         self, flight: _Round, buckets: tuple[Bucket, ...], tags: Tags, first: int = 0
