@@ -128,6 +128,30 @@ def test_pack_unpack_roundtrip_mixed_dtypes_and_leading_dims(direct_min_bytes: i
         assert got == [bucket.transfers[want_index]], (m, got)
 
 
+def test_pack_emits_each_direct_message_before_reading_the_next_transfer() -> None:
+    # The engine posts what `emit` gets at once: a direct message must be handed over before
+    # the next transfer's source is read, complete, and never the tail (it carries the checksums).
+    a, b = _rand_bf16(8, 6), torch.arange(5, dtype=torch.float32)
+    bucket = Bucket(0, 1, (
+        _transfer("a", [(0, 8), (0, 6)], "x", [(0, 8), (0, 6)]),
+        _transfer("b", [(0, 5)], "y", [(0, 5)], elem=4),
+        _transfer("a", [(7, 8), (5, 6)], "z", [(0, 1), (0, 1)]),  # 2 bytes: packed in the tail
+    ), 0)  # fmt: skip
+    events: list[str] = []
+
+    def source(name: str) -> torch.Tensor:
+        events.append(f"read {name}")
+        return {"a": a, "b": b}[name]
+
+    def emit(msg: torch.Tensor) -> None:
+        events.append(f"emit {msg.numel()}")
+
+    out = pack_bucket(bucket, source, torch.device("cpu"), direct_min_bytes=16, emit=emit)
+    assert events[:4] == ["read a", "emit 96", "read b", "emit 20"], events
+    assert "emit" not in " ".join(events[4:])  # the packed transfer's read, no tail emitted
+    assert len(out.messages) == 3 and out.tail.numel() == message_layout(bucket, 16).tail_nbytes
+
+
 def test_receive_in_place_into_staging() -> None:
     bucket = Bucket(0, 1, (_transfer("a", [(2, 6), (0, 4)], "x", [(0, 1), (1, 5), (0, 4)]),), 32)
     dw = DestinationWeights({"x": torch.zeros(2, 6, 4, dtype=torch.bfloat16)})
