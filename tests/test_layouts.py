@@ -352,9 +352,9 @@ def test_hf_full_and_tp_sharded() -> None:
 def all_shards(layout: str, m: Manifest, spec: ParallelSpec) -> list[RankShard]:
     lay = get_layout(layout)
     lay.validate(m, spec)
-    return [
-        lay.shard(m, spec, c) for c in enumerate_ranks(spec, SRC if layout.startswith("megatron") else DST)
-    ]
+    # a destination's dp is vLLM's wide EP only (topology.check_destination): hf at dp > 1 is a source
+    role = SRC if layout.startswith("megatron") or (layout == "hf" and spec.dp > 1) else DST
+    return [lay.shard(m, spec, c) for c in enumerate_ranks(spec, role)]
 
 
 def assert_round_trip(layout: str, m: Manifest, spec: ParallelSpec) -> None:

@@ -297,7 +297,13 @@ def test_round_trip_vpp_moe() -> None:
 @pytest.mark.parametrize(
     ("layout", "preset", "spec", "pattern"),
     [
-        ("vllm", "tiny-qwen3-moe", "tp=2,ep=4", r"vllm: ep: ep=4 must be 1 or equal to tp=2"),
+        ("vllm", "tiny-qwen3-moe", "tp=2,ep=4", r"vllm: ep: ep=4 must be 1, tp=2 or tp\*dp=2"),
+        (
+            "vllm",
+            "tiny-qwen3-moe",
+            "tp=2,dp=2,ep=2",
+            r"vllm: dp: dp=2: data parallel inside a replica is wide EP",
+        ),
         (
             "vllm",
             "tiny-deepseek-v3",
@@ -339,7 +345,7 @@ def test_moe_errors(layout: str, preset: str, spec: str, pattern: str) -> None:
 def test_vllm_ep_experts_not_divisible() -> None:
     m = model("tiny-qwen3-moe", num_experts=6)
     with pytest.raises(
-        LayoutError, match=r"vllm: mlp\.experts\.routed_experts\.w13_weight: E=6 not divisible by ep=tp=4"
+        LayoutError, match=r"vllm: mlp\.experts\.routed_experts\.w13_weight: E=6 not divisible by ep=4"
     ):
         VllmLayout().validate(m, ParallelSpec(tp=4, ep=4))
     with pytest.raises(

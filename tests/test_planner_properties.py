@@ -142,24 +142,30 @@ def source_specs(draw: st.DrawFn, manifest: Manifest) -> tuple[str, ParallelSpec
 
 
 @st.composite
-def destination_specs(draw: st.DrawFn, manifest: Manifest) -> tuple[str, ParallelSpec]:
+def destination_specs(draw: st.DrawFn, manifest: Manifest, wide: bool = False) -> tuple[str, ParallelSpec]:
+    """`wide`: always vLLM's wide EP (experts over tp*dp ranks of each replica)."""
     cfg = manifest.config
     experts = cfg.get("num_experts") or cfg.get("n_routed_experts") or 0
     layout = draw(st.sampled_from(["vllm", "vllm", "vllm", "hf"]))
     tp = draw(st.sampled_from(_divisors(cfg["num_attention_heads"], 8)))
     pp = draw(st.integers(1, min(2, cfg["num_hidden_layers"])))
+    replicas = draw(st.integers(1, 3))
+    if experts and (wide or (pp == 1 and draw(st.booleans()))):  # vLLM's wide EP: experts over tp*dp
+        dp = draw(st.integers(2, 3))
+        return "vllm", ParallelSpec(tp=tp, dp=dp, ep=tp * dp, replicas=replicas)
     ep = draw(st.sampled_from([1, tp])) if experts else 1
-    return layout, ParallelSpec(tp=tp, pp=pp, ep=ep, replicas=draw(st.integers(1, 3)))
+    return layout, ParallelSpec(tp=tp, pp=pp, ep=ep, replicas=replicas)
 
 
 @st.composite
-def cases(draw: st.DrawFn, relay: str | None = "off") -> Case:
-    manifest = build_manifest(draw(models))
+def cases(draw: st.DrawFn, relay: str | None = "off", wide: bool = False) -> Case:
+    """`wide`: MoE models only, every destination side vLLM's wide EP."""
+    manifest = build_manifest(draw(st.one_of(qwen3_moe_configs(), deepseek_configs()) if wide else models))
     src_layout, src_spec = draw(source_specs(manifest))
     assume(valid(manifest, src_layout, src_spec))
     destinations = []
     for i in range(draw(st.integers(1, 2))):
-        layout, spec = draw(destination_specs(manifest))
+        layout, spec = draw(destination_specs(manifest, wide))
         assume(valid(manifest, layout, spec))
         coords = enumerate_ranks(spec, Role.DESTINATION, 4)
         coords = [dataclasses.replace(c, node=f"d{i}-{c.node}") for c in coords]
@@ -219,6 +225,7 @@ def run_case(case: Case) -> SyncPlan:
     if currently_in_test_context():  # label what hypothesis covered (--hypothesis-show-statistics)
         event(f"family {case.manifest.family}")
         event(f"source cp={case.source.spec.cp}")
+        event("wide EP destination" if any(d.spec.dp > 1 for d in case.destinations) else "no wide EP")
         event("tp ratio non-integer" if _ratio_kind(case) else "tp ratio integer")
         event(f"{len(case.destinations)} destination side(s), relay {'used' if plan.relay else 'unused'}")
     shards = shards_of(case, plan)
@@ -242,6 +249,17 @@ def _ratio_kind(case: Case) -> bool:
 @given(cases())
 def test_plans_are_exact_complete_and_minimal(case: Case) -> None:
     run_case(case)
+
+
+@settings(SETTINGS, max_examples=60)
+@given(cases(relay=None, wide=True))
+def test_wide_ep_plans_cover_every_destination_slice(case: Case) -> None:
+    # experts cut by ep_rank over tp*dp, the rest by tp_rank: the same dense slice goes to every
+    # DP rank of a replica, each expert to one rank per replica; exact, complete and minimal
+    plan = run_case(case)
+    for side in case.destinations:
+        assert side.spec.dp > 1 and side.spec.ep == side.spec.tp * side.spec.dp
+    assert plan.stats["lower_bound_bytes"] > 0
 
 
 @settings(SETTINGS, max_examples=60)
@@ -285,6 +303,8 @@ FIXED = [
     ("tiny-deepseek-v3", "megatron", "tp=2,pp=3,ep=2", "vllm", "tp=4,ep=4"),
     ("tiny-llama", "megatron", "tp=1,pp=2,vpp=2", "vllm", "tp=2,pp=2"),
     ("tiny-qwen2", "hf", "tp=1,dp=3", "vllm", "tp=4,replicas=3"),
+    ("tiny-qwen3-moe", "megatron", "tp=2,ep=2", "vllm", "tp=2,dp=2,ep=4,replicas=2"),  # wide EP
+    ("tiny-deepseek-v3", "megatron", "tp=2,pp=3,ep=2", "vllm", "tp=1,dp=4,ep=4"),  # wide EP
 ]
 
 

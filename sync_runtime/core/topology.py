@@ -30,12 +30,15 @@ class ParallelSpec:
     pp: int = 1
     """Pipeline-parallel size (stages)."""
     dp: int = 1
-    """Data-parallel size of the source (identical dense copies). Destinations use `replicas`."""
+    """Data-parallel size. Source: identical dense copies. Destination: the data-parallel engines
+    of one replica in vLLM's wide EP only (`ep == tp * dp`: experts split over all dp*tp ranks,
+    the rest TP-sharded and identical on every DP rank); independent engines are `replicas`."""
     cp: int = 1
     """Context-parallel size (source only): CP ranks split the sequence, not the weights, so the
     cp ranks of one (pp, dp, tp) position hold identical shards and are alternative senders."""
     ep: int = 1
-    """Expert-parallel size. Source: experts split over ep ranks inside tp*dp; destination: ep == tp or 1."""
+    """Expert-parallel size. Source: experts split over ep ranks inside tp*dp; destination: 1, tp
+    (EP inside TP) or tp*dp (wide EP)."""
     etp: int = 1
     """Expert-tensor-parallel size (source only)."""
     vpp: int = 1
@@ -143,12 +146,32 @@ def source_expert_coords(
     return (local // spec.etp) % spec.ep, local % spec.etp, local // (spec.etp * spec.ep)
 
 
+def check_destination(spec: ParallelSpec) -> None:
+    """A destination's shape: no context parallelism; a data-parallel axis only as vLLM's wide EP
+    (experts over all tp*dp ranks of one replica, no pipeline stages)."""
+    if spec.cp != 1:
+        raise TopologyError(f"cp={spec.cp}: context parallelism is a source-side axis (destinations: cp=1)")
+    if spec.dp > 1 and (spec.ep != spec.tp * spec.dp or spec.pp != 1):
+        raise TopologyError(
+            f"destination dp={spec.dp} is vLLM's wide EP only: it needs ep=tp*dp={spec.tp * spec.dp} "
+            f"and pp=1 (got ep={spec.ep}, pp={spec.pp}); independent engines are replicas"
+        )
+
+
+def destination_ep_rank(spec: ParallelSpec, tp_rank: int, dp_rank: int = 0) -> int:
+    """A destination rank's EP rank: vLLM flattens TP across DP for its fused MoE layers
+    (FusedMoEParallelConfig.flatten_tp_across_dp_and_pcp, vLLM 0.32: dp_rank * tp + tp_rank;
+    its EP group orders the ranks the same way, parallel_state.initialize_model_parallel)."""
+    return dp_rank * spec.tp + tp_rank if spec.ep > 1 else 0
+
+
 def enumerate_ranks(spec: ParallelSpec, role: Role, gpus_per_node: int = 8) -> list[RankCoord]:
     """Canonical ranks of one side, in Megatron's tp-fastest order, placed gpus_per_node per node.
 
     Source order: tp, cp, dp, pp (global = tp + tp*(cp + cp*(dp + dp*pp))). Destination order
-    per replica: tp, pp; replicas outermost. Destinations have ep == tp (EP inside TP) or ep == 1,
-    and no context parallelism.
+    per replica: tp, pp, dp (the order a vLLM server's workers report: engines/vllm_worker.py);
+    replicas outermost. Destinations have ep == tp (EP inside TP) or ep == 1, and no context
+    parallelism; dp > 1 is vLLM's wide EP (`check_destination`).
     """
     coords: list[RankCoord] = []
     if role is Role.SOURCE:
@@ -169,19 +192,20 @@ def enumerate_ranks(spec: ParallelSpec, role: Role, gpus_per_node: int = 8) -> l
                 )
             )
     else:
-        if spec.cp != 1:
-            raise TopologyError(
-                f"cp={spec.cp}: context parallelism is a source-side axis (destinations: cp=1)"
+        check_destination(spec)
+        for replica, dp_rank, pp_rank, tp_rank in itertools.product(
+            range(spec.replicas), range(spec.dp), range(spec.pp), range(spec.tp)
+        ):
+            coords.append(
+                RankCoord(
+                    role=role,
+                    replica=replica,
+                    tp_rank=tp_rank,
+                    pp_rank=pp_rank,
+                    dp_rank=dp_rank,
+                    ep_rank=destination_ep_rank(spec, tp_rank, dp_rank),
+                )
             )
-        for replica in range(spec.replicas):
-            for pp_rank in range(spec.pp):
-                for tp_rank in range(spec.tp):
-                    ep_rank = tp_rank if spec.ep > 1 else 0
-                    coords.append(
-                        RankCoord(
-                            role=role, replica=replica, tp_rank=tp_rank, pp_rank=pp_rank, ep_rank=ep_rank
-                        )
-                    )
     return [
         dataclasses.replace(
             c, node=f"{role.value}-node-{i // gpus_per_node}", device=f"cuda:{i % gpus_per_node}"

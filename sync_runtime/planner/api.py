@@ -187,7 +187,8 @@ def _check_destination_covers(
 
 
 def _describe(coord: RankCoord) -> str:
-    return f"(replica={coord.replica}, pp={coord.pp_rank}, tp={coord.tp_rank}, ep={coord.ep_rank})"
+    dp = f", dp={coord.dp_rank}" if coord.dp_rank else ""
+    return f"(replica={coord.replica}, pp={coord.pp_rank}{dp}, tp={coord.tp_rank}, ep={coord.ep_rank})"
 
 
 def _build(

@@ -76,7 +76,8 @@ def rank_label(coord: RankCoord) -> str:
     if coord.role is Role.SOURCE:
         cp = f",cp={coord.cp_rank}" if coord.cp_rank else ""
         return f"pp={coord.pp_rank},dp={coord.dp_rank}{cp},tp={coord.tp_rank}"
-    return f"replica={coord.replica},pp={coord.pp_rank},tp={coord.tp_rank}"
+    dp = f",dp={coord.dp_rank}" if coord.dp_rank else ""  # wide EP's DP engines of one replica
+    return f"replica={coord.replica},pp={coord.pp_rank}{dp},tp={coord.tp_rank}"
 
 
 def find_actors(namespace: str, prefix: str) -> list[tuple[str, Any]]:
@@ -245,7 +246,9 @@ def _identity_problems(ref: DeploymentRef, role: Role, participants: Sequence[Pa
 def _size_problems(spec: ParallelSpec, role: Role, coords: Sequence[RankCoord]) -> list[str]:
     """Sizes the actors imply (highest rank + 1) against the declared ones: 'wrong TP size'."""
     axes = [("TP", "tp_rank", spec.tp), ("PP", "pp_rank", spec.pp)]
-    axes.append(("DP", "dp_rank", spec.dp) if role is Role.SOURCE else ("replicas", "replica", spec.replicas))
+    axes.append(("DP", "dp_rank", spec.dp))  # a destination's: wide EP's DP engines of one replica
+    if role is Role.DESTINATION:
+        axes.append(("replicas", "replica", spec.replicas))
     if role is Role.SOURCE:
         axes.append(("CP", "cp_rank", spec.cp))
     problems = []

@@ -1,4 +1,6 @@
-"""The `vllm` layout (design §4.1), destination side, per replica: TP size t, PP size p, EP = t or off.
+"""The `vllm` layout (design §4.1), destination side, per replica: TP size t, PP size p, EP = t or off,
+or vLLM's wide EP (DP size d, EP = t*d, p = 1): experts by `coord.ep_rank` over t*d, everything
+else by `coord.tp_rank` over t, identical on every DP rank.
 
 Fused tensors and their order, as vLLM's loaders build them (`stacked_params_mapping`):
 - `self_attn.qkv_proj.{weight,bias}` = [q heads r-th of t; k heads; v heads], KV heads
@@ -6,7 +8,7 @@ Fused tensors and their order, as vLLM's loaders build them (`stacked_params_map
 - `mlp.gate_up_proj.weight` = [gate rows r-th of t; up rows r-th of t]; also for DeepSeek's
   `mlp.shared_experts.gate_up_proj.weight` (shared experts are a TP-sharded dense MLP).
 - `mlp.experts.routed_experts.w13_weight` [E, 2Im/t, H] (no EP) or [E/t, 2Im, H] (EP, experts
-  of coord.ep_rank, vLLM's "linear" placement); `mlp.experts.routed_experts.w2_weight`
+  of coord.ep_rank over ep = t or t*d, vLLM's "linear" placement); `mlp.experts.routed_experts.w2_weight`
   [E, H, Im/t] or [E/t, H, Im] (vLLM 0.32 names: the FusedMoE module is `experts.routed_experts`).
 - `mlp.gate.e_score_correction_bias` (DeepSeek): vLLM holds it in float32 and loads the
   checkpoint's values by copy; it is one Parameter, also reachable from the experts module.
@@ -82,13 +84,26 @@ _FULL = (
 )
 
 
+def _check_parallel(spec: ParallelSpec) -> None:
+    """vLLM's axes: no virtual stages, experts by tp or ep, a DP axis inside a replica only as
+    wide EP (experts over the tp ranks of every DP engine, no pipeline stages)."""
+    t, wide = spec.tp, spec.tp * spec.dp
+    require(spec.vpp == 1, NAME, "vpp", f"vpp={spec.vpp}: vLLM has no virtual pipeline stages")
+    require(spec.etp == 1, NAME, "etp", f"etp={spec.etp}: vLLM shards experts by tp or ep only")
+    require(spec.ep in (1, t, wide), NAME, "ep", f"ep={spec.ep} must be 1, tp={t} or tp*dp={wide}")
+    require(
+        spec.dp == 1 or (spec.ep == wide and spec.pp == 1),
+        NAME,
+        "dp",
+        f"dp={spec.dp}: data parallel inside a replica is wide EP only (ep=tp*dp={wide}, pp=1)",
+    )
+
+
 def _validate(view: ModelView, spec: ParallelSpec) -> None:
     d, t = view.dims, spec.tp
     require_stage_split(d.num_layers, spec, NAME)
     attn = "model.layers.0.self_attn."
-    require(spec.vpp == 1, NAME, "vpp", f"vpp={spec.vpp}: vLLM has no virtual pipeline stages")
-    require(spec.etp == 1, NAME, "etp", f"etp={spec.etp}: vLLM shards experts by tp or ep only")
-    require(spec.ep in (1, t), NAME, "ep", f"ep={spec.ep} must be 1 or equal to tp={t}")
+    _check_parallel(spec)
     if d.mla:
         q = attn + ("q_b_proj.weight" if d.q_lora_rank else "q_proj.weight")
         require(d.num_heads % t == 0, NAME, q, f"nh={d.num_heads} not divisible by tp={t}")
@@ -114,10 +129,10 @@ def _validate(view: ModelView, spec: ParallelSpec) -> None:
         )
     if d.moe_layers and spec.ep > 1:
         require(
-            d.num_experts % t == 0,
+            d.num_experts % spec.ep == 0,
             NAME,
             EXPERTS + "w13_weight",
-            f"E={d.num_experts} not divisible by ep=tp={t}",
+            f"E={d.num_experts} not divisible by ep={spec.ep}",
         )
     elif d.moe_layers:
         require(
