@@ -122,7 +122,7 @@ class VllmServers(CrdModel):
     selector: LabelSelector
     port: int = Field(8000, ge=1, le=65535)
     data_parallel_size: int = Field(1, ge=1, le=1024)
-    """Each server's `--data-parallel-size`: each DP engine is a replica (pod k: k*D .. k*D+D-1)."""
+    """Each server's `--data-parallel-size`: pod k holds replicas k*D .. k*D+D-1 (wide EP, dp=D: k)."""
 
 
 StagingPolicy = Literal["host", "device", "inplace"]
@@ -283,6 +283,7 @@ MSG_SERVERS_NO_RAY = (
 )
 MSG_SERVERS_LAYOUT = "vllmServers: layout must be vllm"
 MSG_SERVERS_DP = "vllmServers: parallelism.replicas must be a multiple of dataParallelSize"
+MSG_SERVERS_WIDE_EP = "vllmServers: with parallelism.dp > 1 (wide EP) dataParallelSize must equal dp"
 MSG_PAUSE_SERVERS = "pause applies to vllmServers destinations only"
 MSG_UNIQUE_DESTINATIONS = "destination names must be unique"
 MSG_SOURCE_NAME_CLASH = "destination names must differ from the source name"
@@ -293,8 +294,8 @@ MSG_SOURCE_EP = "source: ep must divide tp*cp*dp"
 MSG_SOURCE_ETP = "source: ep*etp must divide tp*cp*dp"
 MSG_SOURCE_REPLICAS = "source: replicas must be 1 (use dp for data-parallel copies)"
 MSG_SOURCE_STAGING = "source: staging applies to destinations only"
-MSG_DEST_EP = "destination: ep must be 1 or equal to tp (EP inside TP)"
-MSG_DEST_DP = "destination: dp must be 1 (use replicas for data-parallel engines)"
+MSG_DEST_EP = "destination: ep must be 1, tp (EP inside TP) or tp*dp (wide EP)"
+MSG_DEST_DP = "destination: dp > 1 is vLLM's wide EP only (ep = tp*dp, pp = 1)"
 MSG_DEST_CP = "destination: cp must be 1 (context parallelism is a trainer-side axis)"
 MSG_DEST_ETP_VPP = "destination: etp and vpp must be 1"
 MSG_HF_SHAPE = "hf layout: pp, ep and vpp must be 1"
@@ -332,16 +333,16 @@ def _server_problems(dest: DeploymentRef, where: str) -> list[str]:
             out.append(f"{where}: {MSG_SERVERS_NO_RAY}")
         if dest.layout != "vllm":
             out.append(f"{where}: {MSG_SERVERS_LAYOUT}")
-        if dest.parallelism.replicas % dest.vllm_servers.data_parallel_size:
-            out.append(f"{where}: {MSG_SERVERS_DP}")
+        p, dp = dest.parallelism, dest.vllm_servers.data_parallel_size
+        if p.replicas % dp if p.dp == 1 else dp != p.dp:  # wide EP (dp > 1): one replica per pod
+            out.append(f"{where}: {MSG_SERVERS_DP if p.dp == 1 else MSG_SERVERS_WIDE_EP}")
     elif dest.pause is not None:
         out.append(f"{where}: {MSG_PAUSE_SERVERS}")
     return out
 
 
 def ray_deployments(spec: WeightSyncSpec) -> list[DeploymentRef]:
-    """The deployments that name a Ray cluster (vllmServers destinations are attached in the
-    source's cluster and name none)."""
+    """The deployments that name a Ray cluster (vllmServers are attached in the source's one)."""
     return [d for d in spec.deployments() if d.vllm_servers is None]
 
 
@@ -377,9 +378,9 @@ def spec_problems(spec: WeightSyncSpec) -> list[str]:
         out += _deployment_problems(dest, where)
         if dest.layout in MEGATRON_LAYOUTS:
             out.append(f"{where}: {MSG_DEST_LAYOUT}")
-        if p.ep not in (1, p.tp):
+        if p.ep not in (1, p.tp, p.tp * p.dp):
             out.append(f"{where}: {MSG_DEST_EP}")
-        if p.dp != 1:
+        if p.dp != 1 and (p.ep != p.tp * p.dp or p.pp != 1):
             out.append(f"{where}: {MSG_DEST_DP}")
         if p.cp != 1:
             out.append(f"{where}: {MSG_DEST_CP}")
