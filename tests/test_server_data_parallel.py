@@ -7,7 +7,7 @@ backend's workers do. The commit phase (runtime/commit.py) pauses, commits and r
 replica at a time; the server must stay paused until every DP rank resumed on one version, be
 labelled with it once, and never resume with its DP ranks on different versions. The pure parts
 of the attacher's refusals and the CRD rule are checked too. The real server is in
-tests/engines/test_vllm_server_dp.py.
+tests/engines/test_vllm_server_dp.py; wide EP (the DP engines one replica): tests/test_wide_ep.py.
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from sync_runtime.engines import vllm_servers
 from sync_runtime.engines.vllm_batch import Batch, RankBatcher
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks, check_replicas
-from sync_runtime.engines.vllm_worker import check_not_wide_ep
-from sync_runtime.errors import DestinationError, DiscoveryError, TopologyMismatchError
+from sync_runtime.errors import DiscoveryError, TopologyMismatchError
 from sync_runtime.kube.pods import ServerPod, replica_count_problem, world_size_problem
 from sync_runtime.schema.crd import MSG_SERVERS_DP, WeightSyncSpec, spec_problems
 from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
@@ -188,7 +187,10 @@ def test_the_attacher_gives_each_pod_its_dp_replicas_and_refuses_a_mismatch(
 
     def attach(name: str, namespace: str, control: Any, *, replica: int, pause: str, ranks: int) -> Any:
         attached.append((control.url, replica, ranks))
-        return SimpleNamespace(ws_num_ranks=SimpleNamespace(remote=lambda: ranks))
+        metas = [SimpleNamespace(coord=SimpleNamespace(replica=replica + i)) for i in range(ranks)]
+        return SimpleNamespace(
+            ws_num_ranks=SimpleNamespace(remote=lambda: ranks), ws_meta=SimpleNamespace(remote=lambda: metas)
+        )
 
     monkeypatch.setattr(vllm_servers, "HttpControl", lambda url: servers.setdefault(url, FakeServer(url)))
     monkeypatch.setattr(vllm_servers, "attach", attach)
@@ -203,19 +205,6 @@ def test_the_attacher_gives_each_pod_its_dp_replicas_and_refuses_a_mismatch(
         vllm_servers.ServerAttacher("team-a", "policy", list_pods=lambda ns, labels: pods)(
             servers_spec(4, 2).destinations[0]
         )
-
-
-def test_expert_parallel_across_dp_ranks_is_refused_in_one_line() -> None:
-    def config(ep: bool, dp: int) -> Any:
-        return SimpleNamespace(
-            parallel_config=SimpleNamespace(enable_expert_parallel=ep, data_parallel_size=dp)
-        )
-
-    check_not_wide_ep(config(True, 1))  # EP inside one engine's TP
-    check_not_wide_ep(config(False, 2))  # dense DP: vLLM reports DP size 1 inside, but either way
-    with pytest.raises(DestinationError) as e:
-        check_not_wide_ep(config(True, 2))
-    assert "expert parallel across 2 data-parallel ranks" in e.value.message and "\n" not in e.value.message
 
 
 def test_a_batch_holding_whole_replicas_dispatches_without_the_gather_window() -> None:

@@ -189,11 +189,16 @@ def _tensor_attrs(obj: object, prefix: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def check_expert_placement(vllm_config: Any) -> None:
-    """The vllm layout cuts experts contiguously per EP rank: vLLM's "linear" placement."""
+    """The vllm layout cuts experts contiguously per EP rank: vLLM's "linear" placement, fixed
+    (EPLB moves experts between ranks and adds redundant ones: refused)."""
     pc = vllm_config.parallel_config
     strategy = getattr(pc, "expert_placement_strategy", "linear")
     if getattr(pc, "enable_expert_parallel", False) and strategy != "linear":
         raise DestinationError(f"expert_placement_strategy={strategy!r}: the vllm layout needs 'linear'")
+    if getattr(pc, "enable_expert_parallel", False) and getattr(pc, "enable_eplb", False):
+        raise DestinationError(
+            "enable_eplb: the vllm layout needs each expert fixed on its EP rank (no EPLB)"
+        )
 
 
 def check_staged(staged: Mapping[str, torch.Tensor], expected: Mapping[str, EngineTensor]) -> None:

@@ -4,7 +4,10 @@ Installed by `weightsync run` (`install`); discovery calls it before each sync
 (runtime/servers.py). Per destination it lists the pods the selector matches (kube/pods.py),
 refuses a replica count or a server world size (TP x PP x DP) that differs from the declared
 parallelism and `dataParallelSize`, one line naming the pod (each DP engine of a server is a
-replica: pod k holds replicas k*D .. k*D+D-1, all behind the pod's one proxy), and keeps one
+replica: pod k holds replicas k*D .. k*D+D-1, all behind the pod's one proxy; with wide EP,
+`parallelism.dp` = D and ep = tp*D, pod k is replica k, its D engines together), and a server
+whose engines are not laid out so (wide EP served without expert parallel, or the reverse:
+`expert_layout_problem`), and keeps one
 proxy actor per server process at its replica index (pod uid, container restarts, index): a
 proxy whose pod is gone, replaced (new uid), restarted (its container's restart count grew) or
 moved to another index is killed and a new one attached, so a restarted server joins the next
@@ -71,8 +74,10 @@ class ServerAttacher:
             raise DiscoveryError(f"deployment {ref.name!r} names no vllmServers")
         labels = conf.selector.match_labels
         pods = self._list(self.namespace, labels)
-        dp = conf.data_parallel_size
-        found = check_servers(ref.name, label_selector(labels), pods, ref.parallelism.replicas, conf.port, dp)
+        per_pod = 1 if wide_ep(ref) else conf.data_parallel_size  # replicas per server pod
+        found = check_servers(
+            ref.name, label_selector(labels), pods, ref.parallelism.replicas, conf.port, per_pod
+        )
         held = self._proxies.setdefault(ref.name, {})
         wanted = {e.instance for e in found}
         for key in [k for k in held if k not in wanted]:
@@ -123,17 +128,22 @@ class ServerAttacher:
         if problem is not None:
             raise TopologyMismatchError(problem)
         name = f"{prefix}{e.replica:04d}.{e.pod}.{e.uid[:8]}.{e.restarts}"
-        # a data-parallel server's DP engines are replicas e.replica*dp .. +dp-1 (one proxy each server)
-        handle = attach(
-            name, ref.ray_namespace, control, replica=e.replica * dp, pause=ref.pause_mode, ranks=world
-        )
+        # a data-parallel server's DP engines are replicas e.replica*dp .. +dp-1 (one proxy each
+        # server); a wide-EP server is one replica, e.replica
+        wide = wide_ep(ref)
+        first = e.replica if wide else e.replica * dp
+        handle = attach(name, ref.ray_namespace, control, replica=first, pause=ref.pause_mode, ranks=world)
         try:  # the proxy's constructor runs init_weight_transfer_engine on every worker
-            ray.get(handle.ws_num_ranks.remote(), timeout=self._timeout_s)
+            metas = ray.get(handle.ws_meta.remote(), timeout=self._timeout_s)
         except ray.exceptions.RayError as err:
             _kill((name, handle))
             raise DiscoveryError(
                 f"{where}: the weightsync backend did not start: {describe_unexpected(err)}"
             ) from err
+        problem = expert_layout_problem(ref.name, e.pod, dp, wide, len({m.coord.replica for m in metas}))
+        if problem is not None:
+            _kill((name, handle))
+            raise TopologyMismatchError(problem)
         log.info(
             "attached %s (replica %d, %d worker(s), dp %d, pause %s)",
             e.pod,
@@ -143,6 +153,26 @@ class ServerAttacher:
             ref.pause_mode,
         )
         return name, handle
+
+
+def wide_ep(ref: DeploymentRef) -> bool:
+    """The destination declares vLLM's wide EP: `parallelism.dp` > 1 (with ep = tp*dp, the
+    schema's rule), each server one replica of its DP engines together."""
+    return ref.parallelism.dp > 1
+
+
+def expert_layout_problem(deployment: str, pod: str, dp: int, wide: bool, replicas: int) -> str | None:
+    """A server whose DP engines are not laid out as declared (None: they are): with wide EP
+    (`--enable-expert-parallel` on a MoE model) its workers report one replica together, else
+    one per DP engine (engines/vllm_worker._worker_coord)."""
+    if dp == 1 or replicas == (1 if wide else dp):
+        return None
+    runs = "expert parallel across" if replicas == 1 else "whole model copies on"
+    declared = f"wide EP (parallelism.dp={dp})" if wide else "one replica per DP engine (parallelism.dp=1)"
+    return (
+        f"deployment {deployment!r}: vLLM server pod {pod} runs {runs} its {dp} data-parallel engines, "
+        f"the destination declares {declared}"
+    )
 
 
 def _alive(handle: Any) -> bool:

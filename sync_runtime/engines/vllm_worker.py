@@ -263,9 +263,12 @@ def _worker_coord(worker: Any, replica: int, node: str) -> tuple[RankCoord, int]
     """(coordinates, local index in the server) from vLLM's own parallel state.
 
     A data-parallel server (`--data-parallel-size D`) runs D engines whose workers all take
-    part in each weight-transfer call; each DP rank holds a whole model copy, so it is its own
-    replica: `replica` (the server's first) + its DP rank, and its workers' local indices follow
-    those of the lower DP ranks (tp*pp each)."""
+    part in each weight-transfer call; their local indices follow those of the lower DP ranks
+    (tp*pp each). Each DP engine of a dense model (or of a MoE model without expert parallel)
+    holds a whole model copy, so it is its own replica: `replica` (the server's first) + its DP
+    rank. With expert parallel (vLLM's wide EP) the experts are split over all DP engines' ranks:
+    the server is one replica, each worker at its `dp_rank`, its `ep_rank` vLLM's EP group rank
+    (dp_rank * tp + tp_rank: topology.destination_ep_rank)."""
     from vllm.distributed import parallel_state as ps
 
     tp, pp = ps.get_tp_group(), ps.get_pp_group()
@@ -273,14 +276,16 @@ def _worker_coord(worker: Any, replica: int, node: str) -> tuple[RankCoord, int]
     # A dense model's DP engines are made independent (vLLM sets their DP size to 1 and keeps the
     # DP rank as `data_parallel_index`, 0.32; a MoE model's keep `data_parallel_rank`).
     dp_rank = int(getattr(parallel, "data_parallel_index", parallel.data_parallel_rank))
+    wide = is_wide_ep(worker.vllm_config)
     ep_rank = 0
     if parallel.enable_expert_parallel:
         ep_rank = ps.get_ep_group().rank_in_group
     coord = RankCoord(
         role=Role.DESTINATION,
-        replica=replica + dp_rank,
+        replica=replica if wide else replica + dp_rank,
         tp_rank=tp.rank_in_group,
         pp_rank=pp.rank_in_group,
+        dp_rank=dp_rank if wide else 0,
         ep_rank=ep_rank,
         node=node,
         device=str(worker.device),
@@ -289,14 +294,21 @@ def _worker_coord(worker: Any, replica: int, node: str) -> tuple[RankCoord, int]
     return coord, dp_rank * per_engine + pp.rank_in_group * tp.world_size + tp.rank_in_group
 
 
-def check_not_wide_ep(vllm_config: Any) -> None:
-    """Expert parallel across data-parallel ranks (vLLM's wide EP) splits the experts over the DP
-    engines, so they are not whole replicas: refused in one line (not synced yet)."""
+def is_wide_ep(vllm_config: Any) -> bool:
+    """Expert parallel across data-parallel engines (vLLM's wide EP): the engines together are
+    one replica. A dense model's DP engines keep DP size 1 inside (see `_worker_coord`)."""
     parallel = vllm_config.parallel_config
-    if parallel.enable_expert_parallel and parallel.data_parallel_size > 1:
+    return bool(parallel.enable_expert_parallel) and int(parallel.data_parallel_size) > 1
+
+
+def check_wide_ep(vllm_config: Any) -> None:
+    """Wide EP is synced without pipeline stages only (the layout's and topology's rule)."""
+    parallel = vllm_config.parallel_config
+    if is_wide_ep(vllm_config) and parallel.pipeline_parallel_size > 1:
         raise DestinationError(
             f"expert parallel across {parallel.data_parallel_size} data-parallel ranks (vLLM's wide EP) "
-            "is not supported by the weightsync backend: each DP rank must hold a whole model copy"
+            f"with {parallel.pipeline_parallel_size} pipeline stages is not supported by the weightsync "
+            "backend (wide EP: pipeline parallel size 1)"
         )
 
 
@@ -353,7 +365,7 @@ class VllmWorkerExtension:
         MTP drafter's too, where it has one: vllm_drafter.py)."""
         require_supported_vllm()
         vllm_config = self.vllm_config  # type: ignore[attr-defined]
-        check_not_wide_ep(vllm_config)
+        check_wide_ep(vllm_config)
         check_expert_placement(vllm_config)
         model = self.model_runner.model  # type: ignore[attr-defined]
         coord, self._ws_index = _worker_coord(self, replica, node)
