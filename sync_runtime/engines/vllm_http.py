@@ -84,7 +84,7 @@ class HttpControl:
     def world_size(self) -> int:
         """Workers of this server: TP x PP x DP. The workers of every DP engine take part in each
         weight-transfer call (vLLM sends them to all its engines), each DP rank a replica of its
-        own (engines/vllm_worker._worker_coord)."""
+        own, or with wide EP all of them one replica (engines/vllm_worker._worker_coord)."""
         return int(self._call("GET", "/get_world_size", params={"include_dp": "true"})["world_size"])
 
     def data_parallel_size(self) -> int:

@@ -25,6 +25,8 @@ its own (replica + DP rank, engines/vllm_worker._worker_coord). The commit phase
 and resumes one replica at a time, but vLLM pauses, resumes and labels the server as a whole: the
 first pause holds every local rank, and the server resumes (labelled once) only when all have
 resumed on one version; DP ranks left on different versions keep it paused (`_after_batch`).
+With wide EP (`--enable-expert-parallel` on a MoE model) the D engines are one replica: its ranks
+are paused, committed and resumed together, one pause, one apply call, one resume.
 
 `HttpControl` (engines/vllm_http.py) drives a `vllm serve` server; `ActorControl`
 (engines/vllm_actor.py) a `vllm.LLM` or `AsyncLLM` inside a Ray actor the user wrote.

@@ -14,7 +14,7 @@ sync both DP ranks generate as the oracle bit for bit; negative controls: the du
 before the sync and a scrambled push differ on both, and a resync restores both. The commit
 pauses the server once per sync though its two replicas are committed one after the other.
 A declared DP other than the server's is named before any byte moves (the attacher's check, on
-the real server's world sizes). Wide EP's refusal: test_vllm_server_wide_ep.py.
+the real server's world sizes). Wide EP (the DP engines one replica): test_vllm_server_wide_ep.py.
 
 Each DP engine gets both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1|0-1`): two OpenMP threads, as the
 oracle's one TP 1 worker has (engine_env's "0-1" names one entry, and DP rank 1's engine core

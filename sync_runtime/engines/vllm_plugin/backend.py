@@ -2,7 +2,8 @@
 
 vLLM builds one `WeightSyncEngine` per worker (`WeightTransferEngineFactory`) and drives it only
 through its public weight-transfer API, which reaches every worker at once (of every engine of a
-data-parallel server too: each DP engine is then a replica of its own, engines/vllm_worker.py):
+data-parallel server too: each DP engine is then a replica of its own, or with wide EP all its
+DP engines one replica, engines/vllm_worker.py):
 
 - `init_weight_transfer_engine({"store_host", "store_port", "prefix", ...})`: the worker
   connects to the control store of the runtime's proxy for this engine (engines/vllm_ranks.py),
