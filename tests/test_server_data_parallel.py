@@ -25,8 +25,9 @@ from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks, check_replicas
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError
 from sync_runtime.kube.pods import ServerPod, replica_count_problem, world_size_problem
-from sync_runtime.schema.crd import MSG_SERVERS_DP, WeightSyncSpec, spec_problems
+from sync_runtime.schema.crd import MSG_SERVERS_DP, spec_problems
 from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
+from tests.support.specs import servers_spec
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("no_ray")]
 
@@ -139,33 +140,9 @@ def test_the_server_dp_and_world_size_are_checked_against_the_declaration() -> N
     )
 
 
-def servers_spec(replicas: int, dp: int) -> WeightSyncSpec:
-    servers = {"selector": {"matchLabels": {"app": "vllm"}}, "dataParallelSize": dp}
-    return WeightSyncSpec.model_validate(
-        {
-            "version": "v1",
-            "source": {
-                "name": "trainer",
-                "rayAddress": "10.0.0.1:6379",
-                "actorPrefix": "t-",
-                "layout": "megatron",
-                "authSecretRef": {"name": "ray"},
-            },
-            "destinations": [
-                {
-                    "name": "rollout",
-                    "layout": "vllm",
-                    "vllmServers": servers,
-                    "parallelism": {"replicas": replicas},
-                }
-            ],
-        }
-    )
-
-
 def test_replicas_must_be_a_multiple_of_the_servers_dp() -> None:
-    assert spec_problems(servers_spec(4, 2)) == []
-    assert spec_problems(servers_spec(3, 2)) == [f"spec.destinations[0]: {MSG_SERVERS_DP}"]
+    assert spec_problems(servers_spec({"replicas": 4}, 2)) == []
+    assert spec_problems(servers_spec({"replicas": 3}, 2)) == [f"spec.destinations[0]: {MSG_SERVERS_DP}"]
 
 
 class FakeServer:
@@ -197,13 +174,13 @@ def test_the_attacher_gives_each_pod_its_dp_replicas_and_refuses_a_mismatch(
     monkeypatch.setattr(ray, "get", lambda ref, timeout=None: ref)
     pods = [ServerPod(name=f"vllm-{i}", uid=f"uid-{i}", ip=f"10.0.0.{i + 1}", ready=True) for i in range(2)]
     attacher = vllm_servers.ServerAttacher("team-a", "policy", list_pods=lambda ns, labels: pods)
-    attacher(servers_spec(4, 2).destinations[0])
+    attacher(servers_spec({"replicas": 4}, 2).destinations[0])
     assert attached == [("http://10.0.0.1:8000", 0, 2), ("http://10.0.0.2:8000", 2, 2)]
     servers.clear()
     servers["http://10.0.0.1:8000"] = FakeServer("http://10.0.0.1:8000", world=1, dp=1)
     with pytest.raises(TopologyMismatchError, match="vllm-0 runs 1 data-parallel engine"):
         vllm_servers.ServerAttacher("team-a", "policy", list_pods=lambda ns, labels: pods)(
-            servers_spec(4, 2).destinations[0]
+            servers_spec({"replicas": 4}, 2).destinations[0]
         )
 
 

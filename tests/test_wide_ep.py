@@ -36,10 +36,10 @@ from sync_runtime.schema.crd import (
     MSG_DEST_EP,
     MSG_SERVERS_DP,
     MSG_SERVERS_WIDE_EP,
-    WeightSyncSpec,
     spec_problems,
 )
 from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
+from tests.support.specs import servers_spec
 
 pytestmark = pytest.mark.unit
 WIDE = ParallelSpec.parse("tp=2,dp=2,ep=4,replicas=2")
@@ -109,25 +109,6 @@ def test_the_layout_refuses_experts_not_divisible_by_tp_times_dp() -> None:
     config = {**load_model_config("tiny-qwen3-moe"), "num_experts": 6}
     with pytest.raises(LayoutError, match="E=6 not divisible by ep=4"):
         get_layout("vllm").validate(build_manifest(config), ParallelSpec.parse("tp=2,dp=2,ep=4"))
-
-
-def servers_spec(parallelism: dict[str, int], dp: int) -> WeightSyncSpec:
-    servers = {"selector": {"matchLabels": {"app": "vllm"}}, "dataParallelSize": dp}
-    return WeightSyncSpec.model_validate(
-        {
-            "version": "v1",
-            "source": {
-                "name": "trainer",
-                "rayAddress": "10.0.0.1:6379",
-                "actorPrefix": "t-",
-                "layout": "megatron",
-                "authSecretRef": {"name": "ray"},
-            },
-            "destinations": [
-                {"name": "rollout", "layout": "vllm", "vllmServers": servers, "parallelism": parallelism}
-            ],
-        }
-    )
 
 
 def test_the_crd_rules_accept_wide_ep_declared_with_dp() -> None:
