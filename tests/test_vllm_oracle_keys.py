@@ -75,6 +75,9 @@ def test_a_server_oracles_key_covers_its_command_line_and_tuning_environment(
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv("SOME_UNRELATED_VARIABLE", "x")
     assert _server(model) == base
+    monkeypatch.setenv("VLLM_PART", "b")  # the Makefile's, exported by `make test-vllm VLLM_PART=b`
+    monkeypatch.setenv("VLLM_FILES", "tests/engines/test_vllm_server.py")
+    assert _server(model) == base
     more = keys.server_oracle_key(model, tp=1, calls=2, warmups=2)
     assert more != base  # another request sequence before the kept calls
 
