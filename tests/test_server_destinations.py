@@ -31,6 +31,7 @@ from sync_runtime.runtime.commit import Dest, replica_pause_seconds
 from sync_runtime.schema import crd
 from sync_runtime.schema.crd import WeightSyncSpec, spec_problems
 from sync_runtime.schema.report import ReplicaState, ReplicaVersion, SyncReport, SyncResult
+from tests.support.specs import spec_with_destination
 
 pytestmark = pytest.mark.unit
 
@@ -39,19 +40,7 @@ SERVERS = {"selector": {"matchLabels": {"app": "vllm", "model": "qwen"}}, "port"
 
 def spec(**dest: Any) -> WeightSyncSpec:
     destination = {"name": "rollout", "layout": "vllm", "vllmServers": SERVERS, **dest}
-    return WeightSyncSpec.model_validate(
-        {
-            "version": "v1",
-            "source": {
-                "name": "trainer",
-                "rayAddress": "10.0.0.1:6379",
-                "actorPrefix": "t-",
-                "layout": "megatron",
-                "authSecretRef": {"name": "ray"},
-            },
-            "destinations": [{k: v for k, v in destination.items() if v is not None}],
-        }
-    )
+    return spec_with_destination({k: v for k, v in destination.items() if v is not None})
 
 
 def pod(name: str, ready: bool = True, ip: str | None = "10.1.0.5", deleting: bool = False) -> ServerPod:

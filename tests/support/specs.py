@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sync_runtime.schema.crd import WeightSyncSpec
 
 
-def servers_spec(parallelism: dict[str, int], dp: int) -> WeightSyncSpec:
-    """A spec whose one destination is vLLM server pods (`app=vllm`) of `dataParallelSize` dp."""
-    servers = {"selector": {"matchLabels": {"app": "vllm"}}, "dataParallelSize": dp}
+def spec_with_destination(destination: dict[str, Any]) -> WeightSyncSpec:
+    """A spec of version v1 from a Megatron-layout Ray source to the one `destination` given."""
     return WeightSyncSpec.model_validate(
         {
             "version": "v1",
@@ -18,8 +19,14 @@ def servers_spec(parallelism: dict[str, int], dp: int) -> WeightSyncSpec:
                 "layout": "megatron",
                 "authSecretRef": {"name": "ray"},
             },
-            "destinations": [
-                {"name": "rollout", "layout": "vllm", "vllmServers": servers, "parallelism": parallelism}
-            ],
+            "destinations": [destination],
         }
+    )
+
+
+def servers_spec(parallelism: dict[str, int], dp: int) -> WeightSyncSpec:
+    """A spec whose one destination is vLLM server pods (`app=vllm`) of `dataParallelSize` dp."""
+    servers = {"selector": {"matchLabels": {"app": "vllm"}}, "dataParallelSize": dp}
+    return spec_with_destination(
+        {"name": "rollout", "layout": "vllm", "vllmServers": servers, "parallelism": parallelism}
     )
