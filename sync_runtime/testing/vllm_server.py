@@ -84,6 +84,23 @@ def serve_env(tp: int = 1) -> dict[str, str]:
     return {**engine_env(tp), "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
+def data_parallel_args(dp: int, *, expert_parallel: bool = False) -> list[str]:
+    """What `serve` adds for `dp` data-parallel engines (nothing for 1); `expert_parallel`: the
+    experts split over all of them (vLLM's wide EP)."""
+    if dp == 1:
+        return []
+    return [f"--data-parallel-size={dp}", *(["--enable-expert-parallel"] if expert_parallel else [])]
+
+
+def data_parallel_env(dp: int, tp: int = 1) -> dict[str, str]:
+    """serve_env(tp) for `dp` engines of `tp` workers: vLLM's CPU backend wants one
+    `VLLM_CPU_OMP_THREADS_BIND` entry per worker of every DP engine (with only the first engine's,
+    DP rank 1's engine core fails: "Given number of CPU id list [] doesn't match local world size
+    1"); each engine's workers get the cores one engine's would (TP 1: every core)."""
+    env = serve_env(tp)
+    return {**env, "VLLM_CPU_OMP_THREADS_BIND": "|".join([env["VLLM_CPU_OMP_THREADS_BIND"]] * dp)}
+
+
 def serve(
     model_dir: str,
     port: int,
@@ -93,14 +110,21 @@ def serve(
     load_format: str = "dummy",
     backend: bool = True,
     max_model_len: int = 128,
+    dp: int = 1,
+    expert_parallel: bool = False,
 ) -> subprocess.Popen:
     """`vllm serve` as a user starts it with the weightsync backend (dummy weights unless
     `load_format="auto"`: vLLM's own loader reading the model dir's checkpoint). `backend=False`:
     a plain server (an oracle), no `--weight-transfer-config`. `max_model_len`: room for the
-    longest request (a greedy row's bits do not depend on it)."""
+    longest request (a greedy row's bits do not depend on it). `dp`, `expert_parallel`: see
+    `data_parallel_args`."""
     kw = {"tp": tp, "load_format": load_format, "backend": backend, "max_model_len": max_model_len}
-    args = [sys.executable, *serve_args(model_dir, port, **kw)]
-    env = {**os.environ, **serve_env(tp)}
+    args = [
+        sys.executable,
+        *serve_args(model_dir, port, **kw),
+        *data_parallel_args(dp, expert_parallel=expert_parallel),
+    ]
+    env = {**os.environ, **(serve_env(tp) if dp == 1 else data_parallel_env(dp, tp))}
     # its own session: stop() ends the API server, its engine core and its workers together
     return subprocess.Popen(
         args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True

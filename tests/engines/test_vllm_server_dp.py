@@ -24,10 +24,7 @@ then fails: "Given number of CPU id list [] doesn't match local world size 1").
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -45,7 +42,7 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
-from sync_runtime.testing.vllm_server import Server, free_port, serve_args, serve_env, stop
+from sync_runtime.testing.vllm_server import Server, launch, stop
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -53,7 +50,6 @@ NS = "vllm-server-dp"
 DP = 2
 DST = ParallelSpec.parse(f"tp=1,replicas={DP}")
 """Each DP rank is a replica: the destination declares DP x (servers) replicas."""
-THREADS_BIND = "|".join(["0-1"] * DP)
 
 
 def outputs_carry_versions() -> bool:
@@ -110,14 +106,8 @@ def per_dp_rank(url: str) -> list[list[dict[str, list]]]:
 
 
 def launch_dp(model_dir: str, log: Path) -> Server:
-    """`serve` with `--data-parallel-size` (its own args and env, not the helper's: see module doc)."""
-    port = free_port()
-    args = [sys.executable, *serve_args(model_dir, port), f"--data-parallel-size={DP}"]
-    env = {**os.environ, **serve_env(1), "VLLM_CPU_OMP_THREADS_BIND": THREADS_BIND}
-    proc = subprocess.Popen(
-        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-    return Server(f"http://127.0.0.1:{port}", proc, log)
+    """`serve` with `--data-parallel-size` (each DP engine on both cores: see module doc)."""
+    return launch(model_dir, log, dp=DP)
 
 
 @pytest.fixture(scope="module")

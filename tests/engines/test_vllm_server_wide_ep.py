@@ -30,9 +30,6 @@ tests/test_wide_ep.py's.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,7 +49,14 @@ from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, S
 from sync_runtime.testing import reference_cache
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_oracle_keys import tuning_env
-from sync_runtime.testing.vllm_server import Server, free_port, serve_args, serve_env, stop
+from sync_runtime.testing.vllm_server import (
+    Server,
+    data_parallel_args,
+    data_parallel_env,
+    launch,
+    serve_args,
+    stop,
+)
 from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
 from tests.support.wide_ep_control import UnpausedHttpControl
 
@@ -61,35 +65,24 @@ NS = "vllm-server-wide-ep"
 DP = 2
 DST = ParallelSpec.parse(f"tp=1,dp={DP},ep={DP}")
 """Wide EP: the server's DP engines are one replica, experts over tp*dp ranks."""
-EXTRA = [f"--data-parallel-size={DP}", "--enable-expert-parallel"]
-THREADS_BIND = "|".join(["0-1"] * DP)
-"""Each DP engine gets both cores (one `VLLM_CPU_OMP_THREADS_BIND` entry per DP engine, as in
-test_vllm_server_dp.py)."""
 EXPERTS = ("w13_weight", "w2_weight")
-
-
-def server_env() -> dict[str, str]:
-    return {**serve_env(1), "VLLM_CPU_OMP_THREADS_BIND": THREADS_BIND}
 
 
 def launch_wide_ep(model_dir: str, log: Path, load_format: str = "dummy") -> Server:
     """`serve` with DP 2 and expert parallel, the weightsync backend on (the oracle reports its
     kernel checksums through it)."""
-    port = free_port()
-    args = [sys.executable, *serve_args(model_dir, port, load_format=load_format), *EXTRA]
-    env = {**os.environ, **server_env()}
-    proc = subprocess.Popen(
-        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-    return Server(f"http://127.0.0.1:{port}", proc, log)
+    return launch(model_dir, log, load_format=load_format, dp=DP, expert_parallel=True)
 
 
 def oracle_key(model_dir: str) -> dict[str, Any]:
     """Everything the checkpoint-loaded wide-EP server's kernel checksums depend on."""
-    env = {k: v for k, v in server_env().items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in data_parallel_env(DP).items() if k != "PYTHONPATH"}
     engine = {
         "server": "vllm serve (wide EP)",
-        "args": [*serve_args("<model_dir>", 0, load_format="auto"), *EXTRA],
+        "args": [
+            *serve_args("<model_dir>", 0, load_format="auto"),
+            *data_parallel_args(DP, expert_parallel=True),
+        ],
         "env": {**tuning_env(), **env},
     }
     outputs = {"kernel_checksums_by": "dp_rank,tp_rank", "generate_calls": 0}
