@@ -192,10 +192,12 @@ def check_expert_placement(vllm_config: Any) -> None:
     """The vllm layout cuts experts contiguously per EP rank: vLLM's "linear" placement, fixed
     (EPLB moves experts between ranks and adds redundant ones: refused)."""
     pc = vllm_config.parallel_config
+    if not getattr(pc, "enable_expert_parallel", False):
+        return
     strategy = getattr(pc, "expert_placement_strategy", "linear")
-    if getattr(pc, "enable_expert_parallel", False) and strategy != "linear":
+    if strategy != "linear":
         raise DestinationError(f"expert_placement_strategy={strategy!r}: the vllm layout needs 'linear'")
-    if getattr(pc, "enable_expert_parallel", False) and getattr(pc, "enable_eplb", False):
+    if getattr(pc, "enable_eplb", False):
         raise DestinationError(
             "enable_eplb: the vllm layout needs each expert fixed on its EP rank (no EPLB)"
         )
