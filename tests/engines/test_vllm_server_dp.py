@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,14 +35,14 @@ import ray
 
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines.vllm_http import HttpControl
-from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.kube.pods import world_size_problem
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
-from sync_runtime.testing.vllm_server import Server, launch, stop
+from sync_runtime.testing.vllm_server import Server, launch
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
+from tests.support.vllm_server import attached
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
 NS = "vllm-server-dp"
@@ -123,19 +122,10 @@ def dp_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         references={"ref": ("ref-server", {"tp": 1})},  # the other server tests' oracle entry
     ) as d:
         server = launch_dp(d.setup.model.rsplit("/", 1)[0], directory / "serve.log")
-        ranks = None
-        try:
-            started = time.monotonic()
-            url = server.wait()
-            print(f"DP {DP} server healthy in {time.monotonic() - started:.1f} s")
-            ranks = attach("dp-r0000", NS, HttpControl(url), replica=0, ranks=DP)
+        with attached(server, "dp-r0000", NS, ranks=DP) as (url, ranks):
             ray.get(ranks.ws_num_ranks.remote(), timeout=300)
             dst = [destination_ref("dp", NS, "dp-r", DST)]
             yield {"d": d, "url": url, "ranks": ranks, "dst": dst, "ref": d.reference_calls[0]["ref"]}
-        finally:
-            if ranks is not None:
-                ray.kill(ranks)
-            stop(server.proc)
 
 
 def test_each_dp_engine_is_a_replica_behind_one_proxy(dp_server: dict[str, Any]) -> None:

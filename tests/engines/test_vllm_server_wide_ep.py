@@ -30,7 +30,6 @@ tests/test_wide_ep.py's.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,6 @@ from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.manifest import DTYPE_BYTES
 from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines.vllm_http import HttpControl
-from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.engines.vllm_servers import expert_layout_problem
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
@@ -55,9 +53,9 @@ from sync_runtime.testing.vllm_server import (
     data_parallel_env,
     launch,
     serve_args,
-    stop,
 )
 from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
+from tests.support.vllm_server import attached
 from tests.support.wide_ep_control import UnpausedHttpControl
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1500)]
@@ -102,16 +100,11 @@ def kernels_by_rank(ranks: Any) -> dict[str, dict[str, str]]:
 
 def compute_oracle(model_dir: str, log: Path) -> dict[str, dict[str, str]]:
     """Start the checkpoint-loaded wide-EP server, read its workers' kernel checksums, stop it."""
-    server = launch_wide_ep(model_dir, log, load_format="auto")
-    ranks = None
-    try:
-        url = server.wait()
-        ranks = attach("wide-ep-oracle", NS, HttpControl(url), replica=0, ranks=DP)
+    with attached(launch_wide_ep(model_dir, log, load_format="auto"), "wide-ep-oracle", NS, ranks=DP) as (
+        _,
+        ranks,
+    ):
         return kernels_by_rank(ranks)
-    finally:
-        if ranks is not None:
-            ray.kill(ranks)
-        stop(server.proc)
 
 
 @pytest.fixture(scope="module")
@@ -124,20 +117,12 @@ def wide(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         ref = reference_cache.cached(
             oracle_key(model_dir), lambda: compute_oracle(model_dir, directory / "oracle.log")
         )
+        print(f"wide-EP oracle: {ref.status}")
         server = launch_wide_ep(model_dir, directory / "serve.log")
-        ranks = None
-        try:
-            started = time.monotonic()
-            url = server.wait()
-            print(f"wide-EP server healthy in {time.monotonic() - started:.1f} s (oracle: {ref.status})")
-            ranks = attach("wide-r0000", NS, UnpausedHttpControl(url), replica=0, ranks=DP)
+        with attached(server, "wide-r0000", NS, ranks=DP, control=UnpausedHttpControl) as (url, ranks):
             metas = ray.get(ranks.ws_meta.remote(), timeout=300)
             dst = [destination_ref("wide", NS, "wide-r", DST)]
             yield {"d": d, "url": url, "ranks": ranks, "metas": metas, "dst": dst, "ref": ref.value}
-        finally:
-            if ranks is not None:
-                ray.kill(ranks)
-            stop(server.proc)
 
 
 def test_the_dp_engines_are_one_replica_each_worker_with_its_own_experts(wide: dict[str, Any]) -> None:
