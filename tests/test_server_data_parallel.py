@@ -1,11 +1,12 @@
 """A data-parallel `vllm serve` (`--data-parallel-size D`) as a destination: its D engines are
-replicas of their own behind one proxy, committed one after another but paused once.
+replicas of their own behind one proxy, committed together and paused once.
 
 The proxy here is the real `VllmEngineRanks` with a stand-in control whose two workers (DP ranks
 0 and 1 of one server, TP 1) answer through the proxy's real control store, as the weightsync
-backend's workers do. The commit phase (runtime/commit.py) pauses, commits and resumes one
-replica at a time; the server must stay paused until every DP rank resumed on one version, be
-labelled with it once, and never resume with its DP ranks on different versions. The pure parts
+backend's workers do. The commit phase (runtime/commit.py) pauses, commits and resumes all
+replicas of one engine together (`engines_of`); the server must resume only when every DP rank
+resumes on one version, be labelled with it once, and otherwise stay paused with none of its
+replicas reporting serving (a DP engine left out, DP ranks on different versions). The pure parts
 of the attacher's refusals and the CRD rule are checked too. The real server is in
 tests/engines/test_vllm_server_dp.py; wide EP (the DP engines one replica): tests/test_wide_ep.py.
 """
@@ -13,18 +14,21 @@ tests/engines/test_vllm_server_dp.py; wide EP (the DP engines one replica): test
 from __future__ import annotations
 
 import pickle
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import ray
 
-from sync_runtime.engines import vllm_servers
-from sync_runtime.engines.vllm_batch import Batch, RankBatcher
+from sync_runtime.engines import vllm_batch, vllm_servers
+from sync_runtime.engines.vllm_batch import Batch, RankBatcher, gather_seconds
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks, check_replicas
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError
 from sync_runtime.kube.pods import ServerPod, replica_count_problem, world_size_problem
+from sync_runtime.runtime.commit import Dest, engines_of
+from sync_runtime.runtime.discovery import RankHandle
 from sync_runtime.schema.crd import MSG_SERVERS_DP, spec_problems
 from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
 from tests.support.specs import servers_spec
@@ -68,38 +72,54 @@ def engine_calls(control: DataParallelControl) -> list[tuple[str, Any]]:
     return [c for c in control.calls if c[0] in ("pause", "resume") or (c[0] == "finish" and c[1])]
 
 
-def test_dp_replicas_committed_one_after_another_pause_and_label_the_server_once() -> None:
+def each_rank(proxy: VllmEngineRanks, method: str, args: dict[int, tuple]) -> list[Any]:
+    """`method` on the given local ranks at once, as the commit phase calls them (call_each)."""
+    with ThreadPoolExecutor(len(args)) as pool:
+        futures = [pool.submit(proxy.ws_rank_call, i, method, a) for i, a in args.items()]
+        return [f.result() for f in futures]
+
+
+def test_dp_replicas_committed_together_pause_and_label_the_server_once() -> None:
     control = DataParallelControl()
     proxy = VllmEngineRanks(control, replica=4, host="127.0.0.1")
     assert proxy.ws_num_ranks() == 2
-    # runtime/commit.py: replica 4 (DP rank 0) paused, committed, resumed; then replica 5
-    assert proxy.ws_rank_call(0, "ws_pause", ()) is True
-    control.holds[0] = "v2"
-    assert proxy.ws_rank_call(0, "ws_resume", ("v2",)) is True
-    assert engine_calls(control) == [("pause", "keep")]  # DP rank 1 still on v1: no resume, no label
-    assert proxy.ws_pause_seconds() is None
-    assert proxy.ws_rank_call(1, "ws_pause", ()) is True
-    control.holds[1] = "v2"
-    assert proxy.ws_rank_call(1, "ws_resume", ("v2",)) is True
+    assert each_rank(proxy, "ws_pause", {0: (), 1: ()}) == [True, True]
+    control.holds = ["v2", "v2"]
+    assert each_rank(proxy, "ws_resume", {0: ("v2",), 1: ("v2",)}) == [True, True]
     assert engine_calls(control) == [("pause", "keep"), ("finish", "v2"), ("resume", None)]
     assert len(proxy.pause_seconds()) == 1 and proxy.ws_pause_seconds() is not None
 
 
-def test_dp_ranks_on_different_versions_keep_the_server_paused() -> None:
-    # negative control of the above: DP rank 1 kept v1 (its apply was refused), so the server
-    # would serve v2 and v1 under one label: it stays paused and DP rank 1 is not serving
+def test_a_dp_replica_resumed_without_the_other_does_not_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    # DP rank 1's replica does not hold one version, so the commit phase resumes only DP rank 0:
+    # the server stays paused, and DP rank 0 must not report serving either
+    monkeypatch.setattr(vllm_batch, "RESUME_WINDOW_S", 0.2)
     control = DataParallelControl()
     proxy = VllmEngineRanks(control, host="127.0.0.1")
-    proxy.ws_rank_call(0, "ws_pause", ())
-    control.holds = ["v2", "v1"]
-    assert proxy.ws_rank_call(0, "ws_resume", ("v2",)) is True
-    proxy.ws_rank_call(1, "ws_pause", ())
-    assert proxy.ws_rank_call(1, "ws_resume", ("v1",)) is False
+    each_rank(proxy, "ws_pause", {0: (), 1: ()})
+    control.holds[0] = "v2"
+    assert each_rank(proxy, "ws_resume", {0: ("v2",)}) == [False]
     assert engine_calls(control) == [("pause", "keep")]
-    # the next sync brings both to one version: the server resumes, labelled once
-    proxy.ws_rank_call(1, "ws_pause", ())
+    assert proxy.ws_pause_seconds() is None
+    # the next sync brings both to v2: the server resumes, labelled once
+    each_rank(proxy, "ws_pause", {0: (), 1: ()})
     control.holds[1] = "v2"
-    assert proxy.ws_rank_call(1, "ws_resume", ("v2",)) is True
+    assert each_rank(proxy, "ws_resume", {0: ("v2",), 1: ("v2",)}) == [True, True]
+    assert engine_calls(control) == [("pause", "keep"), ("finish", "v2"), ("resume", None)]
+
+
+def test_dp_ranks_on_different_versions_keep_the_server_paused() -> None:
+    # DP rank 1 kept v1 (its apply was refused), so the server would serve v2 and v1 under one
+    # label: it stays paused and neither DP rank reports serving
+    control = DataParallelControl()
+    proxy = VllmEngineRanks(control, host="127.0.0.1")
+    each_rank(proxy, "ws_pause", {0: (), 1: ()})
+    control.holds = ["v2", "v1"]
+    assert each_rank(proxy, "ws_resume", {0: ("v2",), 1: ("v1",)}) == [False, False]
+    assert engine_calls(control) == [("pause", "keep")]
+    each_rank(proxy, "ws_pause", {0: (), 1: ()})
+    control.holds[1] = "v2"
+    assert each_rank(proxy, "ws_resume", {0: ("v2",), 1: ("v2",)}) == [True, True]
     assert engine_calls(control) == [("pause", "keep"), ("finish", "v2"), ("resume", None)]
 
 
@@ -184,16 +204,25 @@ def test_the_attacher_gives_each_pod_its_dp_replicas_and_refuses_a_mismatch(
         )
 
 
-def test_a_batch_holding_whole_replicas_dispatches_without_the_gather_window() -> None:
-    # The commit phase drives a DP server's replicas one after another: the calls of one replica's
-    # ranks must not wait for the other replica's (the window cost each DP apply ~0.4 s of pause).
+def test_a_batch_dispatches_at_once_only_with_every_rank_of_the_engine() -> None:
+    # A DP server's replicas are called together (runtime/commit.engines_of): half of them is not
+    # a whole batch, and a resume waits longer for the rest than other methods do
     batcher = RankBatcher()
     batcher._init_batcher(4)
-    whole_tp2_engine = Batch("ws_commit", args={0: (), 1: ()})
-    assert not batcher._complete(whole_tp2_engine)  # one replica of 4 ranks: wait for the rest
-    batcher._set_replica_groups([7, 7, 8, 8])  # DP 2 x TP 2: replicas 7 and 8
-    assert batcher._complete(Batch("ws_commit", args={0: (), 1: ()}))  # replica 7, whole
-    assert batcher._complete(Batch("ws_commit", args={2: (), 3: ()}))  # replica 8, whole
-    assert not batcher._complete(Batch("ws_commit", args={0: (), 2: ()}))  # half of each
-    assert not batcher._complete(Batch("ws_join", args={0: (), 1: ()}))  # rendezvous: every rank
-    assert batcher._complete(Batch("ws_join", args={i: () for i in range(4)}))
+    assert not batcher._complete(Batch("ws_commit", args={0: (), 1: ()}))
+    assert batcher._complete(Batch("ws_commit", args={i: () for i in range(4)}))
+    assert gather_seconds("ws_resume") > gather_seconds("ws_commit")
+    assert gather_seconds("ws_join") > gather_seconds("ws_resume")
+
+
+def test_the_commit_phase_commits_a_servers_dp_replicas_together() -> None:
+    def dest(rank: int, replica: int, handle: Any) -> Dest:
+        meta = SimpleNamespace(coord=SimpleNamespace(replica=replica))
+        return Dest(rank, SimpleNamespace(handle=handle, meta=meta), "rollout")  # type: ignore[arg-type]
+
+    server, other = object(), object()  # two proxies: a DP 2 x TP 2 server, a TP 2 engine
+    dests = [dest(r, 4 + (r - 2) // 2, RankHandle(server, r - 2)) for r in range(2, 6)]
+    dests += [dest(r, 6, RankHandle(other, r - 6)) for r in (6, 7)]
+    dests += [dest(r, 7 + r - 8, object()) for r in (8, 9)]  # one-rank replicas, an actor each
+    groups = [[[d.rank for d in replica] for replica in group] for group in engines_of(dests)]
+    assert groups == [[[2, 3], [4, 5]], [[6, 7]], [[8]], [[9]]]

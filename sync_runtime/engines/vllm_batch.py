@@ -25,6 +25,19 @@ RENDEZVOUS = frozenset({"ws_join", "ws_run"})
 RENDEZVOUS_WAIT_S = 30.0
 GATHER_WINDOW_S = 0.05
 """Other methods: dispatch what arrived within this window (a rank called alone still runs)."""
+RESUME_WINDOW_S = 2.0
+"""`ws_resume`: the commit phase resumes every rank of an engine at once (runtime/commit.py),
+and the engine resumes only if all hold one version, so a resume waits longer for the rest: a
+rank left out is one whose replica does not hold one version (a failure path, never the
+common one), and a resume split in two would keep a data-parallel server paused."""
+
+
+def gather_seconds(method: str) -> float:
+    """How long a batch of `method` waits for the engine's other ranks before it dispatches."""
+    if method in RENDEZVOUS:
+        return RENDEZVOUS_WAIT_S
+    return RESUME_WINDOW_S if method == "ws_resume" else GATHER_WINDOW_S
+
 
 Result = tuple[str, Any]
 """("ok", value) | ("error", exception) | ("skip", None): what one worker answers a dispatch."""
@@ -50,24 +63,9 @@ class RankBatcher:
         self._ranks = ranks
         self._cv = threading.Condition()
         self._open: dict[str, Batch] = {}
-        self._groups: list[frozenset[int]] = [frozenset(range(ranks))]
-
-    def _set_replica_groups(self, replica_of: Sequence[int]) -> None:
-        """Local ranks by replica (a data-parallel server's DP engines are replicas of their own,
-        which the commit phase drives one after another): a non-rendezvous batch holding every
-        rank of the replicas it holds dispatches at once, without the gather window."""
-        groups: dict[int, set[int]] = {}
-        for index, replica in enumerate(replica_of):
-            groups.setdefault(replica, set()).add(index)
-        self._groups = [frozenset(g) for g in groups.values()]
 
     def _complete(self, batch: Batch) -> bool:
-        if len(batch.args) >= self._ranks:
-            return True
-        if batch.method in RENDEZVOUS or len(self._groups) == 1:
-            return False
-        arrived = set(batch.args)
-        return arrived == set().union(*(g for g in self._groups if g & arrived))
+        return len(batch.args) >= self._ranks
 
     def _rpc(self, method: str, per_rank: dict[int, tuple]) -> list[Result]:
         raise NotImplementedError
@@ -105,8 +103,7 @@ class RankBatcher:
             return batch, len(batch.args) == 1
 
     def _run_batch(self, batch: Batch) -> None:
-        wait = RENDEZVOUS_WAIT_S if batch.method in RENDEZVOUS else GATHER_WINDOW_S
-        deadline = time.monotonic() + wait
+        deadline = time.monotonic() + gather_seconds(batch.method)
         with self._cv:
             while not self._complete(batch) and time.monotonic() < deadline:
                 self._cv.wait(deadline - time.monotonic())

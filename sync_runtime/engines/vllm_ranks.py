@@ -21,10 +21,12 @@ it reaches the engine only through vLLM's own weight-transfer control surface, v
 
 A data-parallel server (`vllm serve --data-parallel-size D`): vLLM sends each weight-transfer
 call to all D engines, so one proxy holds all their workers, and each DP engine is a replica of
-its own (replica + DP rank, engines/vllm_worker._worker_coord). The commit phase pauses, applies
-and resumes one replica at a time, but vLLM pauses, resumes and labels the server as a whole: the
-first pause holds every local rank, and the server resumes (labelled once) only when all have
-resumed on one version; DP ranks left on different versions keep it paused (`_after_batch`).
+its own (replica + DP rank, engines/vllm_worker._worker_coord). vLLM pauses, resumes and labels
+the server as a whole, so the commit phase pauses, applies and resumes all its replicas together
+(runtime/commit.engines_of): the pause holds every local rank, and the server resumes (labelled
+once) only when all resume on one version in one batch; otherwise (a DP engine out of serving,
+DP ranks on different versions) it stays paused and none of them reports serving
+(`_after_batch`).
 With wide EP (`--enable-expert-parallel` on a MoE model) the D engines are one replica: its ranks
 are paused, committed and resumed together, one pause, one apply call, one resume.
 
@@ -102,7 +104,7 @@ class VllmEngineRanks(RankBatcher):
         self._paused_at: float | None = None
         self._held: set[int] = set()
         """Local ranks paused and not resumed since: the engine resumes when none is left (a
-        data-parallel server's DP ranks are replicas, paused and resumed one after another)."""
+        data-parallel server's DP ranks are replicas of their own, resumed together)."""
         self._resumed_on: dict[int, str] = {}
         """Per local rank, the version its latest resume held."""
         self._pauses: list[float] = []
@@ -125,7 +127,6 @@ class VllmEngineRanks(RankBatcher):
         metas = [value(r) for r in self._setup_drafters(answers)]
         replicas = [m.coord.replica for m in metas]
         check_replicas(replicas, replica)
-        self._set_replica_groups(replicas)
 
     def _setup_drafters(self, answers: list[Result]) -> list[Result]:
         """The init answers; where the workers wait for their MTP drafter, their `ws_setup`
@@ -263,12 +264,12 @@ class VllmEngineRanks(RankBatcher):
             self._last_pause = None
             self._held -= set(ok)
             self._resumed_on |= ok
-            if self._held:
-                return  # a rank does not hold the version yet: the engine stays paused (commit.py)
-            if len(set(self._resumed_on.values())) > 1:
-                # DP ranks of one server on different versions (one kept the old one): vLLM labels
-                # a server, not a DP rank, so it stays paused and this batch's ranks answer False
-                # (their replica is reported out of serving; the next sync resends it).
+            if self._held or len(set(self._resumed_on.values())) > 1:
+                # A rank does not hold the version (its replica, a DP engine of this server, is
+                # not resumed) or DP ranks hold different versions: vLLM pauses and labels a
+                # server, not a DP rank, so it stays paused and no rank of this batch serves
+                # (the commit phase resumes a server's replicas in one batch; the next sync
+                # resends those out of serving).
                 batch.results = [("ok", False) if i in ok else r for i, r in enumerate(batch.results)]
                 self._held |= set(ok)
                 for i in ok:
@@ -285,8 +286,8 @@ class VllmEngineRanks(RankBatcher):
     def _pause_engine(self, ranks: set[int]) -> None:
         """Pause the engine (vLLM pauses all of a server's DP engines at once) unless paused. A
         new pause holds every local rank: the engine resumes only once all have resumed on one
-        version, so a data-parallel server whose DP ranks are committed one replica after another
-        is paused once, and never serves under a label one of its DP ranks does not hold."""
+        version, so a data-parallel server never serves under a label one of its DP ranks does
+        not hold."""
         with self._state:
             if self._paused_at is None:
                 # From the call on: with `wait` it returns once the requests in flight finished,

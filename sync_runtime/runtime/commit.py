@@ -2,8 +2,10 @@
 
 prepare (inside ws_run: each destination rank records `prepared` with version and checksum)
 -> decide (the coordinator writes `commit:<version>` or `abort` once, compare_set) -> apply,
-one replica at a time: pause all its ranks, commit them, and resume it only when every rank
-holds the new version. Other replicas keep serving meanwhile, each on one complete version.
+one engine at a time: pause all its ranks, commit them, and resume it only when every rank
+holds the new version. Other engines keep serving meanwhile, each on one complete version. An
+engine is one replica, except a data-parallel vLLM server: its DP engines are replicas of their
+own, but vLLM pauses, resumes and labels the server as a whole, so they commit together.
 A replica whose ranks disagree (one died or failed its commit after the decision) stays paused
 and is reported `Degraded` with reason `MixedVersions`; the next sync resends it in full.
 
@@ -78,8 +80,21 @@ def replicas_of(dests: Sequence[Dest]) -> dict[tuple[str, int], list[Dest]]:
     return out
 
 
+def engines_of(dests: Sequence[Dest]) -> list[list[list[Dest]]]:
+    """Replicas (their ranks) grouped by the engine that serves them, in rank order: replicas
+    whose ranks one multi-rank actor drives (a data-parallel vLLM server's proxy) are one
+    engine; any other replica is one of its own."""
+    out: dict[Any, list[list[Dest]]] = {}
+    for key, members in replicas_of(dests).items():
+        engine = getattr(members[0].p.handle, "actor", None)  # a RankHandle's actor
+        out.setdefault(key if engine is None else engine, []).append(members)
+    return list(out.values())
+
+
 def call_each(calls: Sequence[tuple[Participant, str, tuple]], timeout_s: float) -> list[Any]:
     """Concurrent calls; per call its result or the WeightSyncError it failed with."""
+    if not calls:
+        return []
     refs = [getattr(p.handle, m).remote(*args) for p, m, args in calls]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
     done, out = set(ready), []
@@ -117,44 +132,51 @@ def two_phase_commit(
         )
         return settle(dests, timeout_s), failure.to_failure()
     out: list[ReplicaVersion] = []
-    for i, members in enumerate(replicas_of(dests).values()):
+    for group in engines_of(dests):
+        members = [d for replica in group for d in replica]
         call_each([(d.p, "ws_pause", ()) for d in members], timeout_s)
         results = call_each([(d.p, "ws_commit", (version,)) for d in members], timeout_s)
         for d, res in zip(members, results, strict=True):
             if isinstance(res, Exception):
                 log.warning("commit of %s on rank %d (%s) failed: %s", version, d.rank, d.p.name, res)
-        out += settle(members, timeout_s)
+        settled = settle(members, timeout_s)
         if hooks is not None and hooks.after_replica is not None:
-            hooks.after_replica(i)
+            for i in range(len(out), len(out) + len(settled)):
+                hooks.after_replica(i)
+        out += settled
     return out, replica_failure(out)
 
 
 def settle(dests: Sequence[Dest], timeout_s: float) -> list[ReplicaVersion]:
     """Each replica's state; resumes those whose ranks all hold one complete version (new, or
-    old when none of its ranks could apply the new one); the others stay paused."""
+    old when none of its ranks could apply the new one); the others stay paused. The resumes go
+    out together: an engine that serves several replicas (a data-parallel server) answers for
+    all its ranks at once, and resumes only when every one holds the same version."""
     states = call_each([(d.p, "ws_txn_state", ()) for d in dests], timeout_s)
     by_rank = {d.rank: s for d, s in zip(dests, states, strict=True)}
+    replicas = replicas_of(dests)
+    got = {k: [by_rank[d.rank] for d in m] for k, m in replicas.items()}
+    versions = {k: [None if isinstance(s, Exception) else s.version for s in g] for k, g in got.items()}
+    poisoned = {k for k, g in got.items() if any(not isinstance(s, Exception) and s.poisoned for s in g)}
+    held = [k for k, v in versions.items() if len(set(v)) == 1 and v[0] is not None and k not in poisoned]
+    resumes = [(d, versions[k][0]) for k in held for d in replicas[k]]
+    answers = call_each([(d.p, "ws_resume", (v,)) for d, v in resumes], timeout_s)
+    resumed = {d.rank: a is True for (d, _), a in zip(resumes, answers, strict=True)}
     out = []
-    for (deployment, replica), members in replicas_of(dests).items():
-        got = [by_rank[d.rank] for d in members]
-        versions = [None if isinstance(s, Exception) else s.version for s in got]
-        poisoned = any(not isinstance(s, Exception) and s.poisoned for s in got)
-        uniform = len(set(versions)) == 1 and versions[0] is not None and not poisoned
-        if uniform:
-            answers = call_each([(d.p, "ws_resume", (versions[0],)) for d in members], timeout_s)
-            uniform = all(a is True for a in answers)
+    for (deployment, replica), members in replicas.items():
+        key = (deployment, replica)
+        uniform = key in held and all(resumed[d.rank] for d in members)
         if uniform:
             state, reason = ReplicaState.SERVING, None
-        elif poisoned:
+        elif key in poisoned:
             state, reason = ReplicaState.POISONED, ReplicaPoisoned.reason.value
         else:
             state, reason = ReplicaState.DEGRADED, MixedVersions.reason.value
-        version = versions[0] if uniform else None
-        pause = replica_pause_seconds(members, timeout_s) if uniform else None
         out.append(
             ReplicaVersion(
-                deployment=deployment, replica=replica, version=version, state=state, reason=reason,
-                rank_versions=versions, pause_seconds=pause,
+                deployment=deployment, replica=replica, version=versions[key][0] if uniform else None,
+                state=state, reason=reason, rank_versions=versions[key],
+                pause_seconds=replica_pause_seconds(members, timeout_s) if uniform else None,
             )
         )  # fmt: skip
     return out
