@@ -12,7 +12,8 @@ Each DP rank's generation is asked for by vLLM's own `X-data-parallel-rank` head
 server's per-engine request counters (`/metrics`, label `engine`) prove where it ran. After the
 sync both DP ranks generate as the oracle bit for bit; negative controls: the dummy weights
 before the sync and a scrambled push differ on both, and a resync restores both. The commit
-pauses the server once per sync though its two replicas are committed one after the other.
+pauses the server once per sync and applies both replicas inside that one pause (runtime/commit
+`engines_of`).
 A declared DP other than the server's is named before any byte moves (the attacher's check, on
 the real server's world sizes). Wide EP (the DP engines one replica): test_vllm_server_wide_ep.py.
 
