@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -197,9 +198,12 @@ def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     raise TimeoutError(f"vllm serve not healthy within {START_TIMEOUT_S:g}s (log: {log})")
 
 
-def generate(url: str, prompt: list[int], timeout_s: float = 120) -> tuple[dict[str, list], list[str]]:
+def generate(
+    url: str, prompt: list[int], timeout_s: float = 120, *, dp_rank: int | None = None
+) -> tuple[dict[str, list], list[str]]:
     """One greedy generation through `/inference/v1/generate`: ({token_ids, logprobs}, the
-    weight versions it was sampled with: vLLM's spans, which `/v1/completions` does not carry)."""
+    weight versions it was sampled with: vLLM's spans, which `/v1/completions` does not carry).
+    `dp_rank`: on that DP engine of a data-parallel server (vLLM's `X-data-parallel-rank`)."""
     body = {
         "token_ids": list(prompt),
         "sampling_params": {
@@ -210,7 +214,8 @@ def generate(url: str, prompt: list[int], timeout_s: float = 120) -> tuple[dict[
             "detokenize": False,
         },
     }
-    r = httpx.post(f"{url}/inference/v1/generate", json=body, timeout=timeout_s)
+    headers = {} if dp_rank is None else {"X-data-parallel-rank": str(dp_rank)}
+    r = httpx.post(f"{url}/inference/v1/generate", json=body, headers=headers, timeout=timeout_s)
     r.raise_for_status()
     choice = r.json()["choices"][0]
     lps = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
@@ -243,6 +248,31 @@ def complete(url: str, prompt: list[int], timeout_s: float = 120) -> dict[str, l
 def generations(url: str, timeout_s: float = 120) -> list[dict[str, list]]:
     """PROMPTS through `/inference/v1/generate`, one request at a time."""
     return [generate(url, p, timeout_s)[0] for p in PROMPTS]
+
+
+def engine_requests(url: str) -> dict[str, float]:
+    """Finished requests per DP engine of a server, from vLLM's own counters (label `engine`)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("vllm:request_success_total{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            if engine is not None:
+                out[engine.group(1)] = out.get(engine.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def per_dp_rank(url: str, dp: int, timeout_s: float = 300) -> list[list[dict[str, list]]]:
+    """PROMPTS on each of a data-parallel server's `dp` engines in turn, one request at a time
+    (`generate` with `dp_rank`); checks with the server's counters that each ran where asked."""
+    rows: list[list[dict[str, list]]] = []
+    for k in range(dp):
+        before = engine_requests(url)
+        rows.append([generate(url, p, timeout_s, dp_rank=k)[0] for p in PROMPTS])
+        after = engine_requests(url)
+        grown = {e: after.get(e, 0.0) - before.get(e, 0.0) for e in after}
+        if grown != {**dict.fromkeys(after, 0.0), str(k): float(len(PROMPTS))}:
+            raise AssertionError(f"requests for DP engine {k} ran elsewhere: {grown}")
+    return rows
 
 
 def completions(url: str, timeout_s: float = 120) -> list[dict[str, list]]:

@@ -39,7 +39,11 @@ Between the first two syncs replica 1's server crashes (SIGKILL to its container
 its container restarts, the server comes back on its checkpoint (dummy) weights, and the patched
 sync to v2 brings it there with replica 0 (a new destination process: planned anew).
 
-The tests share one release, one Deployment and one WeightSync and run in file order.
+Last, a second Deployment of one pod whose server runs two data-parallel engines
+(`--data-parallel-size 2`) is synced by a second WeightSync (`vllmServers.dataParallelSize: 2`):
+the pod is two replicas, paused once, each DP engine bit for bit as the v1 oracle.
+
+The tests share one release, the Deployments and WeightSyncs and run in file order.
 """
 
 from __future__ import annotations
@@ -72,10 +76,15 @@ from ray_cluster import RayCluster
 from vllm_client import LONG_TOKENS, Load, LongStreams, Served, serving_sync
 from vllm_pods import (
     DEPLOYMENT,
+    DP,
+    DP_DEPLOYMENT,
+    DP_LABELS,
+    DP_WS,
     NS,
     RAY_NS,
     REPLICAS,
     SECRET,
+    SERVER_READY_S,
     TP,
     WS,
     ReadyWatch,
@@ -87,7 +96,7 @@ from vllm_pods import (
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing import reference_cache
-from sync_runtime.testing.vllm_server import completions
+from sync_runtime.testing.vllm_server import completions, per_dp_rank
 from tests.support.vllm_deploy import CONFIGS, rows_equal, write_model
 from tests.support.vllm_oracle import oracle_key
 
@@ -186,13 +195,16 @@ def _install(
 def _teardown(kubectl: Any, helm: Any, ray_cluster: RayCluster, installed: bool) -> None:
     # The WeightSync first, while its operator runs (kopf's finalizer), then the server pods (their
     # processes end with them), then the release.
-    kubectl(
-        "delete", "weightsync", WS, "-n", NS, "--ignore-not-found", "--timeout=60s", check=False, timeout=90
-    )
-    kubectl(
-        "delete", "deployment", DEPLOYMENT, "-n", NS, "--ignore-not-found", "--cascade=foreground",
-        "--timeout=90s", check=False, timeout=120,
-    )  # fmt: skip
+    for ws in (WS, DP_WS):
+        kubectl(
+            "delete", "weightsync", ws, "-n", NS, "--ignore-not-found", "--timeout=60s",
+            check=False, timeout=90,
+        )  # fmt: skip
+    for name in (DEPLOYMENT, DP_DEPLOYMENT):
+        kubectl(
+            "delete", "deployment", name, "-n", NS, "--ignore-not-found", "--cascade=foreground",
+            "--timeout=90s", check=False, timeout=120,
+        )  # fmt: skip
     if installed:
         helm("uninstall", RELEASE, "-n", NS, "--wait", check=False, timeout=120)
     kubectl("delete", "namespace", NS, "--wait=false", check=False)
@@ -255,18 +267,18 @@ def stack(
             say(request.config, f"vllm e2e phases (s): {json.dumps(stack.seconds)}")
 
 
-def _wait_synced(kubectl: Any, version: str) -> dict[str, Any]:
+def _wait_synced(kubectl: Any, version: str, name: str = WS) -> dict[str, Any]:
     kubectl(
         "wait",
-        f"weightsync/{WS}",
+        f"weightsync/{name}",
         "-n",
         NS,
         f"--for=jsonpath={{.status.syncedVersion}}={version}",
         f"--timeout={SYNC_TIMEOUT}s",
         timeout=SYNC_TIMEOUT + 30,
     )
-    kubectl("wait", f"weightsync/{WS}", "-n", NS, "--for=condition=Synced", "--timeout=60s", timeout=90)
-    obj = get_json(kubectl, "weightsync", WS, "-n", NS)
+    kubectl("wait", f"weightsync/{name}", "-n", NS, "--for=condition=Synced", "--timeout=60s", timeout=90)
+    obj = get_json(kubectl, "weightsync", name, "-n", NS)
     assert obj is not None and obj["status"]["phase"] == "Synced", obj
     last = obj["status"]["lastSync"]
     assert last["version"] == version and last["result"] == "Succeeded", last
@@ -478,3 +490,48 @@ def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubect
         assert rows_equal(rows, stack.reference["v2"]) == 0
     stack.seconds["patch v1: long requests cut"] = [len(_long(load).aborted) for load in served.loads]
     stack.seconds["patch v1: short requests cut"] = [load.client.aborted for load in served.loads]
+
+
+def test_a_data_parallel_server_pod_is_two_replicas_paused_once(
+    stack: Stack, ray_cluster: RayCluster, kubectl: Any, tmp_path: Path
+) -> None:
+    """A second Deployment: one pod whose `vllm serve --data-parallel-size 2` runs two DP engines,
+    selected by a second WeightSync with `vllmServers.dataParallelSize: 2`, so the one pod is
+    replicas 0 and 1. kubectl apply at v1 (the sources hold v1 again) -> Synced; the status shows
+    both replicas Serving v1 with the same pause seconds: the server's one pause, both DP engines
+    applied inside it (runtime/commit.engines_of). Each DP engine, asked through vLLM's
+    `X-data-parallel-rank` header (its `/metrics` counters prove where each request ran),
+    generates as the v1 oracle bit for bit, and did not on its dummy weights before the sync."""
+    t0 = time.monotonic()
+    model_dir = str(Path(stack.config_path).parent)
+    kubectl("apply", "-f", "-", input=json.dumps(deployment(model_dir, stack.port, dp=DP)))
+
+    def ready() -> dict[str, Any] | None:
+        pods = server_pods(kubectl, DP_LABELS)
+        found = condition(pods[0], "Ready") if len(pods) == 1 else None
+        return pods[0] if found is not None and found["status"] == "True" else None
+
+    pod = wait_for("the data-parallel server pod Ready", ready, SERVER_READY_S, interval=1.0)
+    stack.timed("data-parallel server pod Ready", t0)
+    url = f"http://{pod['status']['podIP']}:{stack.port}"
+    assert (HttpControl(url).world_size(), HttpControl(url).data_parallel_size()) == (DP * TP, DP)
+    dummy = per_dp_rank(url, DP)
+    path = tmp_path / "weightsync-dp.yaml"
+    path.write_text(yaml.safe_dump(manifest(ray_cluster.address, stack.port, "v1", dp=DP)))
+    t0 = time.monotonic()
+    kubectl("apply", "-f", str(path))
+    obj = _wait_synced(kubectl, "v1", DP_WS)
+    stack.timed("apply data-parallel -> Synced v1", t0)
+    status = obj["status"]
+    assert status["serving"] == f"{DP}/{DP}", status
+    replicas = sorted(status["replicas"], key=lambda r: r["replica"])
+    assert [(r["deployment"], r["replica"], r["state"], r["version"]) for r in replicas] == [
+        (DP_DEPLOYMENT, k, "Serving", "v1") for k in range(DP)
+    ]
+    pauses = {float(r["pauseSeconds"]) for r in replicas}
+    assert len(pauses) == 1 and 0 < min(pauses) < 60, replicas  # one pause of the one server
+    stack.seconds["apply data-parallel: pause"] = round(min(pauses), 3)
+    assert HttpControl(url).version() == "v1"
+    synced = per_dp_rank(url, DP)
+    assert synced == [stack.reference["v1"]] * DP  # token ids and every logprob, bit for bit
+    assert all(rows_equal(rows, stack.reference["v1"]) == 0 for rows in dummy)  # negative control

@@ -13,7 +13,7 @@ from typing import Any
 from helpers import condition, get_json, wait_for
 from node_agent import OWN_IP_ANNOTATION
 
-from sync_runtime.testing.vllm_server import serve_args, serve_env
+from sync_runtime.testing.vllm_server import data_parallel_args, data_parallel_env, serve_args, serve_env
 
 QUIET_VLLM = Path(__file__).resolve().parents[1] / "support" / "quiet_vllm"
 NS = "ws-vllm"
@@ -29,6 +29,9 @@ the point is a Deployment of several pods, and two TP 1 servers start as many vL
 one TP 2 server (API server and engine core each, against API server, engine core, two workers)."""
 REPLICAS = 2
 """The Deployment's pods: each one replica of the destination, ordered by pod name."""
+DP_WS, DP_DEPLOYMENT, DP_LABELS, DP = "policy-dp", "rollout-dp", {"app": "vllm-rollout-dp"}, 2
+"""The data-parallel server: one pod whose `vllm serve --data-parallel-size 2` is two replicas,
+synced by a WeightSync of its own."""
 MAX_MODEL_LEN = 512
 """The server's context: room for the long streamed requests of tests/e2e/vllm_client.py (the tiny
 model's positions); a greedy row's bits do not depend on it."""
@@ -36,12 +39,17 @@ SERVER_READY_S = 600
 """The server pod's start (vLLM importing torch beside the sources and 0-2 oracle engines)."""
 
 
-def manifest(address: str, port: int, version: str) -> dict[str, Any]:
-    """No spec.model: the runtime reads the model config from the source actors."""
+def manifest(address: str, port: int, version: str, *, dp: int = 1) -> dict[str, Any]:
+    """No spec.model: the runtime reads the model config from the source actors. `dp` 2: the
+    data-parallel server's WeightSync (its pod's two DP engines are the two replicas)."""
+    name, deployment, labels = (WS, DEPLOYMENT, LABELS) if dp == 1 else (DP_WS, DP_DEPLOYMENT, DP_LABELS)
+    servers: dict[str, Any] = {"selector": {"matchLabels": labels}, "port": port}
+    if dp > 1:
+        servers["dataParallelSize"] = dp
     return {
         "apiVersion": "weightsync.io/v1alpha1",
         "kind": "WeightSync",
-        "metadata": {"name": WS, "namespace": NS},
+        "metadata": {"name": name, "namespace": NS},
         "spec": {
             "version": version,
             "source": {
@@ -55,11 +63,11 @@ def manifest(address: str, port: int, version: str) -> dict[str, Any]:
             },
             "destinations": [
                 {
-                    "name": DEPLOYMENT,
+                    "name": deployment,
                     "layout": "vllm",
-                    "vllmServers": {"selector": {"matchLabels": LABELS}, "port": port},
+                    "vllmServers": servers,
                     "pause": "keep",
-                    "parallelism": {"tp": TP, "replicas": REPLICAS},
+                    "parallelism": {"tp": TP, "replicas": REPLICAS},  # dp == 1: pods; else DP engines
                 }
             ],
             "transport": {
@@ -73,20 +81,29 @@ def manifest(address: str, port: int, version: str) -> dict[str, Any]:
     }
 
 
-def deployment(model_dir: str, port: int) -> dict[str, Any]:
+def deployment(model_dir: str, port: int, *, dp: int = 1) -> dict[str, Any]:
     """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them, each
     listening on its pod IP. The node agent runs `command` with the engine env first on PATH
     (`python` is its interpreter) and gives each pod a loopback address of its own (the
-    annotation), so that both replicas serve the same port as on a real node."""
+    annotation), so that both replicas serve the same port as on a real node. `dp` 2: one pod
+    of a server with two DP engines (docs/vllm.md, "Data-parallel servers")."""
     # The engine settings of the tests' servers; not their PYTHONPATH: the plugin comes from the
     # installed package, as in a user's image. On it only the test session's quiet vLLM readers
     # (tests/support/quiet_vllm: a pod serving a steady client would otherwise spin both cores).
-    env = {k: v for k, v in serve_env(TP).items() if k != "PYTHONPATH"}
+    env = {
+        k: v
+        for k, v in (serve_env(TP) if dp == 1 else data_parallel_env(dp, TP)).items()
+        if k != "PYTHONPATH"
+    }
     env["PYTHONPATH"] = str(QUIET_VLLM)
     container = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process
-        "command": ["python", *_on_pod_ip(serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN))],
+        "command": [
+            "python",
+            *_on_pod_ip(serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN)),
+            *data_parallel_args(dp),
+        ],
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             *({"name": k, "value": v} for k, v in sorted(env.items())),
@@ -94,15 +111,16 @@ def deployment(model_dir: str, port: int) -> dict[str, Any]:
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
     }
+    name, labels = (DEPLOYMENT, LABELS) if dp == 1 else (DP_DEPLOYMENT, DP_LABELS)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": DEPLOYMENT, "namespace": NS},
+        "metadata": {"name": name, "namespace": NS},
         "spec": {
-            "replicas": REPLICAS,
-            "selector": {"matchLabels": LABELS},
+            "replicas": REPLICAS if dp == 1 else 1,
+            "selector": {"matchLabels": labels},
             "template": {
-                "metadata": {"labels": LABELS, "annotations": {OWN_IP_ANNOTATION: "true"}},
+                "metadata": {"labels": labels, "annotations": {OWN_IP_ANNOTATION: "true"}},
                 "spec": {"containers": [container], "terminationGracePeriodSeconds": 3},
             },
         },
@@ -115,9 +133,9 @@ def _on_pod_ip(args: list[str]) -> list[str]:
     return ["--host=$(POD_IP)" if a == "--host=127.0.0.1" else a for a in args]
 
 
-def server_pods(kubectl: Any) -> list[dict[str, Any]]:
+def server_pods(kubectl: Any, labels: dict[str, str] = LABELS) -> list[dict[str, Any]]:
     """The Deployment's pods, ordered by name (the replicas' order)."""
-    selector = ",".join(f"{k}={v}" for k, v in LABELS.items())
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
     pods = (get_json(kubectl, "pods", "-n", NS, "-l", selector) or {}).get("items") or []
     return sorted(pods, key=lambda p: p["metadata"]["name"])
 

@@ -25,12 +25,10 @@ then fails: "Given number of CPU id list [] doesn't match local world size 1").
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import ray
 
@@ -40,8 +38,8 @@ from sync_runtime.kube.pods import world_size_problem
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
-from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
-from sync_runtime.testing.vllm_server import Server, launch
+from sync_runtime.testing.vllm_models import PROMPTS
+from sync_runtime.testing.vllm_server import Server, generate, launch, per_dp_rank
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
 from tests.support.vllm_server import attached
 
@@ -58,51 +56,6 @@ def outputs_carry_versions() -> bool:
     import vllm
 
     return not str(vllm.__version__).startswith("0.31.")
-
-
-def generate_on(url: str, dp_rank: int, prompt: list[int]) -> tuple[dict[str, list], list[str]]:
-    """One greedy generation on one DP engine (vLLM's `X-data-parallel-rank` header), as
-    sync_runtime.testing.vllm_server.generate asks for it."""
-    body = {
-        "token_ids": list(prompt),
-        "sampling_params": {
-            "temperature": 0.0,
-            "max_tokens": MAX_TOKENS,
-            "logprobs": 0,
-            "ignore_eos": True,
-            "detokenize": False,
-        },
-    }
-    headers = {"X-data-parallel-rank": str(dp_rank)}
-    r = httpx.post(f"{url}/inference/v1/generate", json=body, headers=headers, timeout=300)
-    r.raise_for_status()
-    choice = r.json()["choices"][0]
-    lps = [c["logprob"] for c in (choice.get("logprobs") or {}).get("content") or []]
-    versions = [span["version"] for span in choice.get("weight_versions") or []]
-    return {"token_ids": list(choice["token_ids"]), "logprobs": lps}, versions
-
-
-def engine_requests(url: str) -> dict[str, float]:
-    """Finished requests per DP engine, from vLLM's own counters (label `engine`)."""
-    out: dict[str, float] = {}
-    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:request_success_total{"):
-            engine = re.search(r'engine="(\d+)"', line)
-            if engine is not None:
-                out[engine.group(1)] = out.get(engine.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
-def per_dp_rank(url: str) -> list[list[dict[str, list]]]:
-    """PROMPTS on each DP engine in turn, one request at a time; checks each ran where asked."""
-    rows: list[list[dict[str, list]]] = []
-    for k in range(DP):
-        before = engine_requests(url)
-        rows.append([generate_on(url, k, p)[0] for p in PROMPTS])
-        after = engine_requests(url)
-        grown = {e: after.get(e, 0.0) - before.get(e, 0.0) for e in after}
-        assert grown == {**dict.fromkeys(after, 0.0), str(k): float(len(PROMPTS))}, grown
-    return rows
 
 
 def launch_dp(model_dir: str, log: Path) -> Server:
@@ -159,20 +112,20 @@ def _synced(coordinator: Coordinator, version: str) -> SyncReport:
 def test_every_dp_rank_generates_as_the_checkpoint_after_the_sync(dp_server: dict[str, Any]) -> None:
     url, ref, d = dp_server["url"], dp_server["ref"], dp_server["d"]
     setup = d.setup
-    before = per_dp_rank(url)  # dummy weights
+    before = per_dp_rank(url, DP)  # dummy weights
     coordinator = Coordinator(
         sync_spec(setup.model, NS, setup.src, dp_server["dst"], "v1"), NullReporter(), manifest=d.manifest
     )
     try:
         synced_report = _synced(coordinator, "v1")
-        synced = per_dp_rank(url)
-        versions = [generate_on(url, k, PROMPTS[0])[1] for k in range(DP)]
+        synced = per_dp_rank(url, DP)
+        versions = [generate(url, PROMPTS[0], 300, dp_rank=k)[1] for k in range(DP)]
         train_step(dataclasses.replace(setup, seed=99), "scrambled")
         _synced(coordinator, "scrambled")
-        scrambled = per_dp_rank(url)
+        scrambled = per_dp_rank(url, DP)
         train_step(setup, "v1")
         _synced(coordinator, "v1-again")
-        again = per_dp_rank(url)
+        again = per_dp_rank(url, DP)
     finally:
         coordinator.close()
         train_step(setup, "v1")
