@@ -27,9 +27,10 @@ from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks, check_replicas
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError
 from sync_runtime.kube.pods import ServerPod, replica_count_problem, world_size_problem
-from sync_runtime.runtime.commit import Dest, engines_of
+from sync_runtime.runtime.commit import Dest, engines_of, replica_failure
 from sync_runtime.runtime.discovery import RankHandle
 from sync_runtime.schema.crd import MSG_SERVERS_DP, spec_problems
+from sync_runtime.schema.report import ReplicaState, ReplicaVersion
 from tests.support.engine_control import StoreControl, no_ray  # noqa: F401 (no_ray: a fixture)
 from tests.support.specs import servers_spec
 
@@ -226,3 +227,18 @@ def test_the_commit_phase_commits_a_servers_dp_replicas_together() -> None:
     dests += [dest(r, 7 + r - 8, object()) for r in (8, 9)]  # one-rank replicas, an actor each
     groups = [[[d.rank for d in replica] for replica in group] for group in engines_of(dests)]
     assert groups == [[[2, 3], [4, 5]], [[6, 7]], [[8]], [[9]]]
+
+
+def test_a_replica_held_paused_by_its_server_says_so() -> None:
+    # DP replica 0 holds v2 on every rank but its server stays paused for replica 1 (on v1)
+    held = ReplicaVersion(
+        deployment="rollout", replica=0, version=None, state=ReplicaState.DEGRADED,
+        reason="MixedVersions", rank_versions=["v2"],
+    )  # fmt: skip
+    mixed = held.model_copy(update={"replica": 1, "rank_versions": ["v1", None]})
+    failure = replica_failure([held, mixed])
+    assert failure is not None
+    assert failure.message.endswith(
+        "rollout replica 0: ranks on ['v2'], but their engine did not resume, "
+        "rollout replica 1: ranks on ['v1', None]"
+    ), failure.message

@@ -204,8 +204,17 @@ def replica_failure(replicas: Sequence[ReplicaVersion]) -> SyncFailure | None:
         return None
     r = bad[0]
     kind = ReplicaPoisoned if r.state is ReplicaState.POISONED else MixedVersions
-    text = ", ".join(f"{x.deployment} replica {x.replica}: ranks on {x.rank_versions}" for x in bad)
+    text = ", ".join(f"{x.deployment} replica {x.replica}: {_ranks_state(x)}" for x in bad)
     return kind(f"{len(bad)} replica(s) out of serving until the next sync repairs them: {text}").to_failure()
+
+
+def _ranks_state(r: ReplicaVersion) -> str:
+    versions = r.rank_versions
+    if r.state is ReplicaState.DEGRADED and len(set(versions)) == 1 and versions[0] is not None:
+        # every rank holds one version, yet its engine stayed paused: a data-parallel server
+        # whose other DP engine (another replica) is out of serving, or a resume that failed
+        return f"ranks on {versions}, but their engine did not resume"
+    return f"ranks on {versions}"
 
 
 def recover(dests: Sequence[Dest], store: Any, timeout_s: float) -> tuple[list[ReplicaVersion], list[str]]:
