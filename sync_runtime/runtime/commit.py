@@ -86,9 +86,15 @@ def engines_of(dests: Sequence[Dest]) -> list[list[list[Dest]]]:
     engine; any other replica is one of its own."""
     out: dict[Any, list[list[Dest]]] = {}
     for key, members in replicas_of(dests).items():
-        engine = getattr(members[0].p.handle, "actor", None)  # a RankHandle's actor
+        engine = engine_actor(members[0])
         out.setdefault(key if engine is None else engine, []).append(members)
     return list(out.values())
+
+
+def engine_actor(d: Dest) -> Any:
+    """The multi-rank actor behind a destination rank (a RankHandle's: an engine's proxy), or None
+    for a rank that is an actor of its own."""
+    return getattr(d.p.handle, "actor", None)
 
 
 def call_each(calls: Sequence[tuple[Participant, str, tuple]], timeout_s: float) -> list[Any]:
@@ -186,7 +192,7 @@ def replica_pause_seconds(members: Sequence[Dest], timeout_s: float) -> float | 
     """The pause a replica measured itself, read right after its resume: an engine's proxy
     (engines/vllm_ranks.py, all ranks of one engine behind one actor) has `ws_pause_seconds`;
     any other destination reports none."""
-    proxy = getattr(members[0].p.handle, "actor", None)  # a RankHandle's actor; else no attribute
+    proxy = engine_actor(members[0])
     method = getattr(proxy, "ws_pause_seconds", None) if proxy is not None else None
     if method is None:
         return None

@@ -77,12 +77,17 @@ def serve_args(
     return args
 
 
-def serve_env(tp: int = 1) -> dict[str, str]:
-    """What `serve` adds to the environment (engine_env's, dev mode, OpenMP's wait policy)."""
+def serve_env(tp: int = 1, dp: int = 1) -> dict[str, str]:
+    """What `serve` adds to the environment (engine_env's, dev mode, OpenMP's wait policy) for
+    `dp` engines of `tp` workers each. vLLM's CPU backend wants one `VLLM_CPU_OMP_THREADS_BIND`
+    entry per worker of every DP engine (with only the first engine's, DP rank 1's engine core
+    fails: "Given number of CPU id list [] doesn't match local world size 1"); each engine's
+    workers get the cores one engine's would (TP 1: every core)."""
     # OMP_WAIT_POLICY=PASSIVE: a worker's OpenMP threads sleep at barriers instead of spinning.
     # Three servers' workers bound to the same two cores and spinning made one forward pass
     # take minutes (a CI run's first request to a fresh server timed out after 120 s).
-    return {**engine_env(tp), "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {**engine_env(tp), "VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    return {**env, "VLLM_CPU_OMP_THREADS_BIND": "|".join([env["VLLM_CPU_OMP_THREADS_BIND"]] * dp)}
 
 
 def data_parallel_args(dp: int, *, expert_parallel: bool = False) -> list[str]:
@@ -91,15 +96,6 @@ def data_parallel_args(dp: int, *, expert_parallel: bool = False) -> list[str]:
     if dp == 1:
         return []
     return [f"--data-parallel-size={dp}", *(["--enable-expert-parallel"] if expert_parallel else [])]
-
-
-def data_parallel_env(dp: int, tp: int = 1) -> dict[str, str]:
-    """serve_env(tp) for `dp` engines of `tp` workers: vLLM's CPU backend wants one
-    `VLLM_CPU_OMP_THREADS_BIND` entry per worker of every DP engine (with only the first engine's,
-    DP rank 1's engine core fails: "Given number of CPU id list [] doesn't match local world size
-    1"); each engine's workers get the cores one engine's would (TP 1: every core)."""
-    env = serve_env(tp)
-    return {**env, "VLLM_CPU_OMP_THREADS_BIND": "|".join([env["VLLM_CPU_OMP_THREADS_BIND"]] * dp)}
 
 
 def serve(
@@ -125,7 +121,7 @@ def serve(
         *serve_args(model_dir, port, **kw),
         *data_parallel_args(dp, expert_parallel=expert_parallel),
     ]
-    env = {**os.environ, **(serve_env(tp) if dp == 1 else data_parallel_env(dp, tp))}
+    env = {**os.environ, **serve_env(tp, dp)}
     # its own session: stop() ends the API server, its engine core and its workers together
     return subprocess.Popen(
         args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True

@@ -13,7 +13,7 @@ from typing import Any
 from helpers import condition, get_json, wait_for
 from node_agent import OWN_IP_ANNOTATION
 
-from sync_runtime.testing.vllm_server import data_parallel_args, data_parallel_env, serve_args, serve_env
+from sync_runtime.testing.vllm_server import data_parallel_args, serve_args, serve_env
 
 QUIET_VLLM = Path(__file__).resolve().parents[1] / "support" / "quiet_vllm"
 NS = "ws-vllm"
@@ -90,11 +90,7 @@ def deployment(model_dir: str, port: int, *, dp: int = 1) -> dict[str, Any]:
     # The engine settings of the tests' servers; not their PYTHONPATH: the plugin comes from the
     # installed package, as in a user's image. On it only the test session's quiet vLLM readers
     # (tests/support/quiet_vllm: a pod serving a steady client would otherwise spin both cores).
-    env = {
-        k: v
-        for k, v in (serve_env(TP) if dp == 1 else data_parallel_env(dp, TP)).items()
-        if k != "PYTHONPATH"
-    }
+    env = {k: v for k, v in serve_env(TP, dp).items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(QUIET_VLLM)
     container = {
         "name": "vllm",

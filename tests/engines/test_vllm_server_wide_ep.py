@@ -50,9 +50,9 @@ from sync_runtime.testing.vllm_oracle_keys import tuning_env
 from sync_runtime.testing.vllm_server import (
     Server,
     data_parallel_args,
-    data_parallel_env,
     launch,
     serve_args,
+    serve_env,
 )
 from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
 from tests.support.vllm_server import attached
@@ -74,7 +74,7 @@ def launch_wide_ep(model_dir: str, log: Path, load_format: str = "dummy") -> Ser
 
 def oracle_key(model_dir: str) -> dict[str, Any]:
     """Everything the checkpoint-loaded wide-EP server's kernel checksums depend on."""
-    env = {k: v for k, v in data_parallel_env(DP).items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in serve_env(1, DP).items() if k != "PYTHONPATH"}
     engine = {
         "server": "vllm serve (wide EP)",
         "args": [
