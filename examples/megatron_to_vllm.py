@@ -152,6 +152,7 @@ class Rollout:
             enable_prefix_caching=False,
             max_model_len=128,
             max_num_seqs=4,
+            kv_cache_memory_bytes=64 << 20,  # per worker; vLLM's CPU default takes a large share of the RAM
             enforce_eager=True,
             seed=0,
             weight_transfer_config={"backend": "weightsync"},  # WeightSync
@@ -174,14 +175,13 @@ class Rollout:
 
 
 def engine_env() -> dict[str, str]:
-    """CPU vLLM: a small KV cache, this package on the path of any process the engine starts, and
+    """CPU vLLM: this package on the path of any process the engine starts, and
     the engine core in the actor's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as RL
     frameworks run `vllm.LLM`); with one worker vLLM runs it there too (its "uni" executor), so the
     whole engine is this one process: none to start, none to outlive the actor."""
     root = str(Path(__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     return {
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default takes a large share of the RAM
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
         "PYTHONPATH": path,
         "TOKENIZERS_PARALLELISM": "false",

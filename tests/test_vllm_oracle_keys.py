@@ -56,8 +56,8 @@ def test_a_replica_oracles_kernel_checksums_are_part_of_its_key(tmp_path: Path) 
     model = _model(tmp_path / "m")
     demo, tests = _replica(model, kernel_checksums=False), _replica(model)
     assert demo != tests
-    # the engine tests' keys as before this module existed: their cached entries stay valid
-    assert tests["engine"] == {"tp": 1, "ep": False, "load_format": "auto"}
+    # start_replica's arguments with its defaults, the KV cache size among them
+    assert tests["engine"] == {"tp": 1, "ep": False, "kv_cache_memory_bytes": 64 << 20, "load_format": "auto"}
     assert tests["outputs"] == {"generate_calls": 2, "kernel_checksums": True}
     assert tests["sampling"] == {"temperature": 0.0, "max_tokens": 16, "logprobs": 0, "one_at_a_time": True}
 

@@ -28,6 +28,13 @@ READY_TIMEOUT_S = 900.0
 """Engine start on a loaded 2-core machine: 2-6 minutes, several engines starting together."""
 GENERATE_TIMEOUT_S = 600.0
 """PROMPTS on every replica: seconds when idle, but over 300 s once on a CI run's loaded machine."""
+KV_CACHE_BYTES = 64 << 20
+"""Every engine's KV cache (vLLM's `kv_cache_memory_bytes`, per worker): room for max_num_seqs (4)
+sequences of max_model_len (128) tokens of every model here many times over (the benchmark's
+317 MiB Qwen3 takes 16 KiB a token). vLLM's CPU worker zeroes the whole cache at start, so each
+worker holds all of it: with `VLLM_CPU_KVCACHE_SPACE=1` (whole GiB, its smallest non-zero value)
+a worker held 1.9 GiB against 1.0 with this, and CI's 24 GiB machine ran out with both test lanes'
+engines up (Ray's memory monitor killed an engine worker at 95% used)."""
 
 
 def engine_env(tp: int, pythonpath: Sequence[str] = ()) -> dict[str, str]:
@@ -38,7 +45,6 @@ def engine_env(tp: int, pythonpath: Sequence[str] = ()) -> dict[str, str]:
     return {
         # the spawned vLLM workers import sync_runtime (and a test's worker extension)
         "PYTHONPATH": os.pathsep.join(dict.fromkeys([*pythonpath, package_root, *inherited])),
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default would take most of the RAM
         # one core per TP worker, or every core for a single worker
         "VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i % cores) for i in range(tp))
         if tp > 1
@@ -78,7 +84,8 @@ def start_replica(
 ) -> Any:
     """A named `VllmReplica` actor (returns at once; its engine starts in the background:
     wait with `wait_ready`). `actor_class`: a VllmReplica subclass (the benchmark's);
-    `engine_args`: more vLLM engine arguments (e.g. a speculative config)."""
+    `engine_args`: more vLLM engine arguments (e.g. a speculative config), over the KV cache
+    size (KV_CACHE_BYTES)."""
     from sync_runtime.engines.vllm_replica import WORKER_EXTENSION, VllmReplica, replica_options
 
     options = replica_options(name, namespace, tp, env if env is not None else replica_env(tp))
@@ -92,7 +99,7 @@ def start_replica(
             enable_expert_parallel=ep,
             load_format=load_format,
             worker_extension_cls=extension or WORKER_EXTENSION,
-            **({"engine_args": engine_args} if engine_args else {}),
+            engine_args={"kv_cache_memory_bytes": KV_CACHE_BYTES, **(engine_args or {})},
         )
     )
 

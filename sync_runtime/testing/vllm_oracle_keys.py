@@ -24,6 +24,7 @@ from typing import Any
 
 from sync_runtime.testing import reference_cache
 from sync_runtime.testing import vllm_server as _server
+from sync_runtime.testing.vllm_deploy import KV_CACHE_BYTES
 from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
 
 SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "logprobs": 0, "one_at_a_time": True}
@@ -54,7 +55,7 @@ def replica_oracle_key(
     """The key of a VllmReplica oracle: `engine` are its start_replica arguments, `calls` how many
     times it generates PROMPTS (0: kernel checksums only), `kernel_checksums` whether they are
     part of its value."""
-    args = {"tp": 1, "ep": False, **engine, "load_format": "auto"}
+    args = {"tp": 1, "ep": False, "kv_cache_memory_bytes": KV_CACHE_BYTES, **engine, "load_format": "auto"}
     outputs = {"generate_calls": calls, "kernel_checksums": kernel_checksums}
     return reference_cache.oracle_key(
         model_dir, engine=args, prompts=PROMPTS, sampling=SAMPLING, outputs=outputs

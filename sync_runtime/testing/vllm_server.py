@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from sync_runtime.testing.vllm_deploy import engine_env
+from sync_runtime.testing.vllm_deploy import KV_CACHE_BYTES, engine_env
 from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
 
 START_TIMEOUT_S = 900.0
@@ -64,6 +64,7 @@ def serve_args(
         "--skip-tokenizer-init",
         f"--max-model-len={max_model_len}",
         "--max-num-seqs=4",
+        f"--kv-cache-memory-bytes={KV_CACHE_BYTES}",
         "--enforce-eager",
         "--seed=0",
         "--no-enable-prefix-caching",

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from sync_runtime.testing import reference_cache
-from sync_runtime.testing.vllm_deploy import READY_TIMEOUT_S, engine_env
+from sync_runtime.testing.vllm_deploy import KV_CACHE_BYTES, READY_TIMEOUT_S, engine_env
 from sync_runtime.testing.vllm_models import PROMPTS
 from sync_runtime.testing.vllm_oracle_keys import SAMPLING, tuning_env
 
@@ -32,7 +32,7 @@ its reference-cache key (`user_oracle_key`)."""
 
 def engine_args(model: str, tp: int, *, load_format: str = "dummy", backend: bool = True) -> dict[str, Any]:
     """The engine settings of every user engine here: those of the demo's and tests' engines
-    (bf16, 128 tokens, 4 sequences, eager, seed 0, no tokenizer), so they generate alike.
+    (bf16, 128 tokens, 4 sequences, a small KV cache, eager, seed 0, no tokenizer), so they generate alike.
     `backend`: with the weightsync backend (a destination); without, an engine that only loads a
     checkpoint (`load_format="auto"`: an oracle)."""
     return {
@@ -45,6 +45,7 @@ def engine_args(model: str, tp: int, *, load_format: str = "dummy", backend: boo
         "enable_prefix_caching": False,
         "max_model_len": 128,
         "max_num_seqs": 4,
+        "kv_cache_memory_bytes": KV_CACHE_BYTES,
         "enforce_eager": True,
         "seed": 0,
         **({"weight_transfer_config": dict(BACKEND)} if backend else {}),
