@@ -34,21 +34,10 @@ import ray
 
 from sync_runtime.core.topology import Role
 from sync_runtime.testing.cluster import DemoSetup, create_participants, train_step
-from tests.support.vllm_deploy import generations, kernel_checksums, replica_env, stop_replicas
+from tests.support.vllm_deploy import generations, kernel_checksums, start_replica, stop_replicas
 
 ENGINE_READY_S = 500.0
 """vLLM start on a loaded 2-core machine (the server pod and 0-2 references starting together)."""
-
-
-def _reference(name: str, namespace: str, model_dir: str, tp: int) -> Any:
-    from sync_runtime.engines.vllm_replica import VllmReplica, replica_options
-
-    options = replica_options(name, namespace, tp, replica_env(tp))
-    return (
-        ray.remote(VllmReplica)
-        .options(**options)
-        .remote(model_dir, load_format="auto", tensor_parallel_size=tp)
-    )
 
 
 def _setup(args: argparse.Namespace) -> DemoSetup:
@@ -68,7 +57,9 @@ def cmd_up(args: argparse.Namespace) -> dict[str, Any]:
     refs = {}
     for item in args.reference:
         version, _, directory = item.partition("=")
-        refs[version] = _reference(f"reference-{version}", args.namespace, directory, args.reference_tp)
+        refs[version] = start_replica(
+            f"reference-{version}", args.namespace, directory, tp=args.reference_tp, load_format="auto"
+        )
     create_participants(
         setup,
         src_version=args.version,
