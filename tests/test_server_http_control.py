@@ -18,7 +18,7 @@ import pytest
 
 from sync_runtime.engines import vllm_http
 from sync_runtime.engines.vllm_http import HttpControl
-from sync_runtime.errors import DestinationError
+from sync_runtime.errors import DestinationError, ParticipantDied
 
 pytestmark = pytest.mark.unit
 
@@ -33,6 +33,7 @@ class _Routes(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive
     connections: list[int] = []
     calls: list[str] = []
+    drop: set[str] = set()  # routes whose request the server answers by closing the connection
 
     def setup(self) -> None:
         super().setup()
@@ -44,6 +45,9 @@ class _Routes(BaseHTTPRequestHandler):
         if length:
             self.rfile.read(length)
         type(self).calls.append(path)
+        if path in type(self).drop:  # as a killed server's socket: no answer, the connection gone
+            self.close_connection = True
+            return
         known = path in ANSWERS or path in ("/start_weight_update", "/update_weights", "/pause")
         body = json.dumps(ANSWERS.get(path, {})).encode() if known else b"no"
         head = f"HTTP/1.1 {200 if known else 404} X\r\ncontent-length: {len(body)}\r\n\r\n".encode()
@@ -57,7 +61,7 @@ class _Routes(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, type[_Routes]]]:
-    routes = type("Routes", (_Routes,), {"connections": [], "calls": []})
+    routes = type("Routes", (_Routes,), {"connections": [], "calls": [], "drop": set()})
     srv = ThreadingHTTPServer(("127.0.0.1", 0), routes)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
@@ -129,3 +133,16 @@ def test_unknown_route_and_dead_server_are_one_line_errors(server: tuple[str, ty
     assert not dead.alive()
     with pytest.raises(DestinationError, match="weight_info"):
         dead.version()
+
+
+def test_a_connection_dropped_mid_request_is_the_server_gone(server: tuple[str, type[_Routes]]) -> None:
+    """A server killed while a call is in flight resets or closes its connection: the participant
+    died, as the proxy's liveness check would report it, not an error the engine answered."""
+    url, routes = server
+    control = HttpControl(url)
+    assert control.version() == "v7"
+    routes.drop.add("/weight_info")
+    with pytest.raises(ParticipantDied, match="dropped the connection"):
+        control.version()
+    routes.drop.clear()
+    assert control.version() == "v7"  # a new connection once the server answers again

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from sync_runtime.errors import DestinationError
+from sync_runtime.errors import DestinationError, ParticipantDied
 from sync_runtime.transfer.spans import span
 
 TIMEOUT_S = 600.0
@@ -69,6 +69,14 @@ class HttpControl:
         try:
             with span(f"http{route}"):
                 r = self.client().request(verb, url, params=params, json=body)
+        except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as e:
+            # The connection was up and broke mid-request (reset, closed with no answer): the
+            # server's process went away, as a killed pod's does. The same death is reported as
+            # ParticipantDied when the proxy's liveness check sees it first; one name either way.
+            raise ParticipantDied(
+                f"vLLM server {self.base_url}: {route}: the server dropped the connection "
+                f"({type(e).__name__}: {e})"
+            ) from e
         except httpx.HTTPError as e:
             raise DestinationError(f"vLLM server {self.base_url}: {route}: {type(e).__name__}: {e}") from e
         if r.status_code == 404:
