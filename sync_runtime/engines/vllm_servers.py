@@ -27,7 +27,13 @@ import ray
 
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
-from sync_runtime.errors import DestinationError, DiscoveryError, TopologyMismatchError, describe_unexpected
+from sync_runtime.errors import (
+    DestinationError,
+    DiscoveryError,
+    ParticipantDied,
+    TopologyMismatchError,
+    describe_unexpected,
+)
 from sync_runtime.kube.pods import (
     ServerEndpoint,
     ServerPod,
@@ -121,7 +127,7 @@ class ServerAttacher:
         control = HttpControl(e.url)
         try:
             world, server_dp = control.world_size(), control.data_parallel_size()
-        except DestinationError as err:
+        except (DestinationError, ParticipantDied) as err:  # no answer, or the connection broke
             raise DiscoveryError(f"{where}: {err.message}") from err
         p, dp = ref.parallelism, ref.vllm_servers.data_parallel_size if ref.vllm_servers else 1
         problem = world_size_problem(ref.name, e.pod, world, p.tp, p.pp, dp, server_dp)
