@@ -33,6 +33,7 @@ Why this model: the largest that fits next to the other work on this 2-core, 23 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -108,6 +109,22 @@ class Procs:
             out[group] = sum(sum(psutil.Process(p).cpu_times()[:4]) for p in pids)
         return out
 
+    def threads(self) -> dict[str, float]:
+        """CPU seconds so far per (group, kind of thread), as `group.kind`: a process's main
+        thread (a vLLM worker's: vLLM's loop, which runs each call and polls for the next),
+        gloo's I/O threads, and the others (a worker's: WeightSync's transfer and apply thread,
+        torch's threads). Threads that ended are not counted (none do during a sync)."""
+        out: dict[str, float] = {}
+        for group in ("workers", "sources"):
+            for pid in self.groups[group]:
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                        comm, seconds = _thread_cpu(task)
+                        kind = "gloo" if comm.startswith("gloo") else "other"
+                        key = f"{group}.{'main' if task.name == str(pid) else kind}"
+                        out[key] = out.get(key, 0.0) + seconds
+        return out
+
     def reset_peaks(self) -> None:
         for pids in self.groups.values():
             for p in pids:
@@ -121,6 +138,13 @@ class Procs:
         return [_status_kib(p, "VmRSS") / 1024 for p in self.workers]
 
 
+def _thread_cpu(task: Path) -> tuple[str, float]:
+    """A thread's name and its user + system CPU seconds (proc(5): fields 14 and 15 of stat)."""
+    stat = (task / "stat").read_text()
+    comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+    return comm, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _status_kib(pid: int, key: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(key + ":"):
@@ -130,11 +154,12 @@ def _status_kib(pid: int, key: str) -> int:
 
 def measure(procs: Procs, fn: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
     procs.reset_peaks()
-    before, wall = procs.cpu(), time.perf_counter()
+    before, threads_before, wall = procs.cpu(), procs.threads(), time.perf_counter()
     result = fn()
-    seconds, after = time.perf_counter() - wall, procs.cpu()
+    seconds, after, threads_after = time.perf_counter() - wall, procs.cpu(), procs.threads()
     cpu = {g: after[g] - before[g] for g in before}
-    return result, {"seconds": seconds, "cpu": cpu, "peak_rss_mib": procs.peaks()}
+    threads = {k: v - threads_before.get(k, 0.0) for k, v in threads_after.items()}
+    return result, {"seconds": seconds, "cpu": cpu, "threads": threads, "peak_rss_mib": procs.peaks()}
 
 
 def _safetensors_loader(engine: Any) -> None:

@@ -3,6 +3,7 @@ group against vLLM's reload; serving; where a warm sync goes (bench/vllm_server_
 
 from __future__ import annotations
 
+import os
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,35 @@ def _median(runs: list[dict[str, Any]], key: Callable[[dict[str, Any]], float]) 
 
 def _total_cpu(run: dict[str, Any]) -> float:
     return sum(run["cpu"].values())
+
+
+def _thread_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    keys = sorted({k for r in runs for k in r["threads"]})
+    return {k: _median(runs, lambda r, k=k: r["threads"].get(k, 0.0)) for k in keys}
+
+
+def cpu_lines(s: dict[str, Any]) -> list[str]:
+    """Where a warm sync's CPU goes, by kind of thread, and the least wall time that CPU allows
+    on this machine's cores (the sync and vLLM's reload share them with nothing else)."""
+    cpu, cores = s["cpu_s"], s["cores"]
+    warm, load = s["cpu_by_thread_s"]["warm_sync"], s["cpu_by_thread_s"]["load"]
+
+    def of(t: dict[str, float], key: str) -> str:
+        return f"{t.get(key, 0.0):.2f}"
+
+    floor = cpu["warm_sync"]["total"] / cores
+    return [
+        f"CPU by thread (medians, CPU s), warm sync | reload: workers' main threads (vLLM's loop: it"
+        f" runs each call, then polls its queue for about a second) {of(warm, 'workers.main')} |"
+        f" {of(load, 'workers.main')}; workers' other threads (WeightSync's transfer and apply,"
+        f" torch's) {of(warm, 'workers.other')} | {of(load, 'workers.other')}; workers' gloo I/O"
+        f" {of(warm, 'workers.gloo')}; sources' main threads {of(warm, 'sources.main')}, gloo I/O"
+        f" {of(warm, 'sources.gloo')}; vLLM's engine process(es) {cpu['warm_sync']['engine']:.2f} |"
+        f" {cpu['load']['engine']:.2f}; proxy {cpu['warm_sync']['proxy']:.2f}",
+        f"CPU-bound: the warm sync used {cpu['warm_sync']['total']:.2f} CPU s on this machine's {cores}"
+        f" cores, at least {floor:.3f} s of wall ({floor / s['load_s']:.2f}x the reload; measured"
+        f" {s['warm_sync_s']:.3f} s); vLLM's reload used {cpu['load']['total']:.2f} CPU s",
+    ]
 
 
 def summarize(res: dict[str, Any], model_bytes: int, file_bytes: int, tp: int) -> dict[str, Any]:
@@ -65,6 +95,8 @@ def summarize(res: dict[str, Any], model_bytes: int, file_bytes: int, tp: int) -
             | {"total": _median(runs, _total_cpu)}
             for phase, runs in phases
         },
+        "cpu_by_thread_s": {phase: _thread_medians(runs) for phase, runs in phases},
+        "cores": len(os.sched_getaffinity(0)),
         "peak_worker_rss_mib": {phase: max(max(r["peak_rss_mib"]) for r in runs) for phase, runs in phases},
         "warm_plan_cached": all(r["plan_cached"] for r in res["warm"] + res["serving"]),
         "same_weights_sync_vs_load": res["same_weights"],
@@ -143,6 +175,7 @@ def print_table(s: dict[str, Any], idle_rss: list[float]) -> None:
         f" {s['serving_commit_s']:.3f} s; pauses {s['pause_seconds']}"
     )
     print("\n".join(breakdown_lines(s["breakdown"]["warm"])))
+    print("\n".join(cpu_lines(s)))
     print(
         "greedy generation after the v1 sync == after vLLM's reload of the v1 checkpoint: "
         f"{s['same_weights_sync_vs_load']}; dummy-weight generation differs from it: "
