@@ -38,9 +38,10 @@ def cpu_lines(s: dict[str, Any]) -> list[str]:
     floor = cpu["warm_sync"]["total"] / cores
     return [
         f"CPU by thread (medians, CPU s), warm sync | reload: workers' main threads (vLLM's loop: it"
-        f" runs each call, then polls its queue for about a second) {of(warm, 'workers.main')} |"
-        f" {of(load, 'workers.main')}; workers' other threads (WeightSync's transfer and apply,"
-        f" torch's) {of(warm, 'workers.other')} | {of(load, 'workers.other')}; workers' gloo I/O"
+        f" runs each call; after one of vLLM's own it busy-waits on its queue for a second)"
+        f" {of(warm, 'workers.main')} | {of(load, 'workers.main')}; workers' other threads"
+        f" (WeightSync's transfer and apply, torch's) {of(warm, 'workers.other')} |"
+        f" {of(load, 'workers.other')}; workers' gloo I/O"
         f" {of(warm, 'workers.gloo')}; sources' main threads {of(warm, 'sources.main')}, gloo I/O"
         f" {of(warm, 'sources.gloo')}; vLLM's engine process(es) {cpu['warm_sync']['engine']:.2f} |"
         f" {cpu['load']['engine']:.2f}; proxy {cpu['warm_sync']['proxy']:.2f}",
