@@ -27,9 +27,10 @@ attribute holding a `vllm.LLM` or `vllm.AsyncLLMEngine`, or the attribute named 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
-from sync_runtime.engines.vllm_ranks import ANSWER_TIMEOUT_S
+from sync_runtime.engines.vllm_ranks import ANSWER_TIMEOUT_S, one_update_session
 from sync_runtime.errors import DestinationError
 
 PROBE_S = 5.0
@@ -89,6 +90,13 @@ def _llm_call(instance: Any, attr: str | None, op: str, args: tuple) -> Any:
         return llm.update_weights({"update_info": args[0]})
     if op == "finish":
         return llm.finish_weight_update(weight_version=args[0])
+    if op == "one_update":
+        return one_update_session(
+            lambda: llm.start_weight_update(),
+            lambda info: llm.update_weights({"update_info": info}),
+            lambda version: llm.finish_weight_update(weight_version=version),
+            args[0],
+        )
     if op == "version":
         return str(llm.get_weight_version())
     if op == "alive":
@@ -117,6 +125,8 @@ async def weightsync_control(engine: Any, op: str, *args: Any) -> Any:
         return await engine.update_weights(WeightTransferUpdateRequest(update_info=args[0]))
     if op == "finish":
         return await engine.finish_weight_update(weight_version=args[0])
+    if op == "one_update":
+        return await _one_update_session(engine, args[0])
     if op == "pause":
         # vLLM's default clear_cache=True, as the server's /pause route: cached KV and prefixes
         # were computed with the old weights.
@@ -175,6 +185,11 @@ class ActorControl:
     def finish(self, version: str | None) -> None:
         self._call("finish", version)
 
+    def one_update(self, update_info: dict[str, Any]) -> None:
+        """Start, update and finish in one call of the actor: an `LLM`'s actor runs one call at
+        a time, so each would otherwise wait behind a `generate` of its own."""
+        self._call("one_update", update_info)
+
     def pause(self, mode: str) -> None:
         if self.kind == "async":  # an LLM: no step runs between the actor's calls
             self._call("pause", mode)
@@ -200,3 +215,21 @@ class ActorControl:
             return True
         except RayActorError:
             return False
+
+
+async def _one_update_session(engine: Any, update_info: dict[str, Any]) -> None:
+    """`vllm_ranks.one_update_session` on an `AsyncLLM`, awaited: the same steps."""
+    try:
+        await weightsync_control(engine, "start")
+    except Exception as e:
+        if "already active" not in str(e):
+            raise
+        await weightsync_control(engine, "finish", None)
+        await weightsync_control(engine, "start")
+    try:
+        await weightsync_control(engine, "update", update_info)
+    except Exception:
+        with contextlib.suppress(Exception):
+            await weightsync_control(engine, "finish", None)
+        raise
+    await weightsync_control(engine, "finish", None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from sync_runtime.engines.vllm_ranks import one_update_session
 from sync_runtime.errors import DestinationError, ParticipantDied
 from sync_runtime.transfer.spans import span
 
@@ -115,6 +116,10 @@ class HttpControl:
 
     def finish(self, version: str | None) -> None:
         self._call("POST", "/finish_weight_update", body={"weight_version": version})
+
+    def one_update(self, update_info: dict[str, Any]) -> None:
+        """Three requests: vLLM's HTTP routes have no one-request session."""
+        one_update_session(self.start, self.update, self.finish, update_info)
 
     def pause(self, mode: str) -> None:
         self._call("POST", "/pause", params={"mode": mode})

@@ -61,6 +61,32 @@ LIVENESS_S = 2.0
 """While waiting for an answer, how often the engine's liveness is checked."""
 
 
+def one_update_session(
+    start: Callable[[], object],
+    update: Callable[[dict[str, Any]], object],
+    finish: Callable[[str | None], object],
+    update_info: dict[str, Any],
+) -> None:
+    """vLLM's weight-update session around one `update_weights`, never left open: a session left
+    open by an earlier proxy of the engine (vLLM refuses a second start) is closed first, its
+    label kept; a failed update closes it (vLLM closes it itself in most cases); finish keeps the
+    engine's weight-version label (None). engines/vllm_actor.py has the same steps awaited."""
+    try:
+        start()
+    except Exception as e:
+        if "already active" not in str(e):
+            raise
+        finish(None)
+        start()
+    try:
+        update(update_info)
+    except Exception:
+        with contextlib.suppress(Exception):
+            finish(None)
+        raise
+    finish(None)
+
+
 def _pause_mode(mode: str) -> str:
     if mode not in PAUSE_MODES:
         raise DestinationError(f"pause mode {mode!r}: expected one of {', '.join(PAUSE_MODES)}")
@@ -76,6 +102,11 @@ class EngineControl(Protocol):
     def start_draft(self) -> None: ...
     def update(self, update_info: dict[str, Any]) -> None: ...
     def finish(self, version: str | None) -> None: ...
+    def one_update(self, update_info: dict[str, Any]) -> None:
+        """One session holding one update, the engine's label kept: `one_update_session` of the
+        three calls above, run where the engine is when its surface allows (one round trip)."""
+        ...
+
     def pause(self, mode: str) -> None: ...
     def resume(self) -> None: ...
     def version(self) -> str: ...
@@ -201,7 +232,11 @@ class VllmEngineRanks(RankBatcher):
             return self._label_after(per_rank, results) or None
 
         with span(f"proxy.send.{method}"):
-            self._in_session(work)
+            if method in ("ws_pause", "ws_resume"):  # pause first; resume labels at finish
+                self._in_session(work)
+            else:  # one round trip to the engine where its control surface allows
+                with self._session:
+                    self._control.one_update({"seq": seq, "method": method})
         if not results:
             with span(f"proxy.await.{method}"):
                 results = self._answers(seq)

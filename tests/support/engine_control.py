@@ -12,6 +12,8 @@ import pytest
 import ray
 import torch.distributed as dist
 
+from sync_runtime.engines.vllm_ranks import one_update_session
+
 
 class StoreControl:
     def __init__(self) -> None:
@@ -30,6 +32,9 @@ class StoreControl:
 
     def finish(self, version: str | None) -> None:
         self.calls.append(("finish", version))
+
+    def one_update(self, update_info: dict[str, Any]) -> None:
+        one_update_session(self.start, self.update, self.finish, update_info)  # type: ignore[attr-defined]
 
     def pause(self, mode: str) -> None:
         self.calls.append(("pause", mode))
