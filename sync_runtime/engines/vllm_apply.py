@@ -8,14 +8,13 @@ Two jobs, both inside a vLLM worker process:
   post-load processing (the steps of docs/vllm.md), as its layerwise reload does, plus the two
   fixes vLLM 0.32's reload path lacks (MoE kernel prepack, tied lm_head).
 
-This is the module that names vLLM's private API (`vllm.model_executor.model_loader.
+This is the one module that names vLLM's private API (`vllm.model_executor.model_loader.
 reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`;
 `set_default_quant_scales` of its attention layers; where an engine speculates with MTP, its
 worker's `model_runner.drafter.model`, see `mtp_drafter`; and, in a user's actor, whether an
-`LLM`'s engine failed, see `llm_engine_failed`), but for one use, for speed only, apart in
-`vllm_worker_idle` (the spin window of the worker's call queue, read for the same releases).
-It changes between releases, so `KNOWN_VLLM` lists the releases whose internals were read and
-found to hold those names with the meaning used here, and
+`LLM`'s engine failed, see `llm_engine_failed`). It changes between
+releases, so `KNOWN_VLLM` lists the releases whose internals were read and found to hold those
+names with the meaning used here, and
 `require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
 setup and the weightsync backend's `init_transfer_engine` call it before anything else).
 """

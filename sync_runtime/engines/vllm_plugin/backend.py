@@ -52,7 +52,6 @@ from sync_runtime.engines.vllm_batch import Result
 from sync_runtime.engines.vllm_drafter import DRAFTER_PENDING, speculates_with_mtp
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_worker import VllmWorkerExtension
-from sync_runtime.engines.vllm_worker_idle import quiet_after_call
 from sync_runtime.errors import DestinationError, WeightSyncError
 from sync_runtime.transfer.spans import span
 
@@ -127,7 +126,6 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
             return
         result = self._dispatch._ws_dispatch("ws_setup", setup)
         self._store.set(init_key(self._prefix, self._index), pickle.dumps(result))
-        quiet_after_call()
 
     def _setup_with_drafter(self) -> Result:
         """`ws_setup` sent inside the draft session: `self.model` is the drafter there."""
@@ -145,12 +143,10 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         return result
 
     def start_weight_update(self) -> None:
-        # staging begins inside ws_run (VllmStaging.begin); nothing to prepare here
-        quiet_after_call()
+        pass  # staging begins inside ws_run (VllmStaging.begin); nothing to prepare here
 
     def finish_weight_update(self) -> None:
-        # the apply is ws_commit, sent while the engine is paused
-        quiet_after_call()
+        pass  # the apply is ws_commit, sent while the engine is paused
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class would synchronize the accelerator after every call: nothing here
@@ -182,7 +178,6 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         future = self._executor.submit(run)
         if method not in BACKGROUND:
             future.result()
-        quiet_after_call()  # ws_run's transfer goes on in the background: let this thread sleep
 
     def shutdown(self) -> None:
         part = self._dispatch._ws_part
