@@ -218,7 +218,7 @@ class ActorControl:
 
 
 async def _one_update_session(engine: Any, update_info: dict[str, Any]) -> None:
-    """`vllm_ranks.one_update_session` on an `AsyncLLM`, awaited: the same steps."""
+    """`vllm_ranks.one_update_session` (its rules: `run_session`) on an `AsyncLLM`, awaited."""
     try:
         await weightsync_control(engine, "start")
     except Exception as e:

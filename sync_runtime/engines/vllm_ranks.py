@@ -61,16 +61,15 @@ LIVENESS_S = 2.0
 """While waiting for an answer, how often the engine's liveness is checked."""
 
 
-def one_update_session(
-    start: Callable[[], object],
-    update: Callable[[dict[str, Any]], object],
-    finish: Callable[[str | None], object],
-    update_info: dict[str, Any],
+def run_session(
+    start: Callable[[], object], work: Callable[[], str | None], finish: Callable[[str | None], object]
 ) -> None:
-    """vLLM's weight-update session around one `update_weights`, never left open: a session left
-    open by an earlier proxy of the engine (vLLM refuses a second start) is closed first, its
-    label kept; a failed update closes it (vLLM closes it itself in most cases); finish keeps the
-    engine's weight-version label (None). engines/vllm_actor.py has the same steps awaited."""
+    """`work` inside one vLLM weight-update session (start .. finish), never left open: vLLM
+    accepts update_weights only inside one and refuses a second start while one is open, so a
+    session left open (by a runtime that ended, or a proxy killed) would block every later proxy
+    of the engine; it is closed first, its label kept. `work` returns the version label finish
+    gives the engine's outputs (None: the label is kept); when it fails the session is closed
+    (vLLM closes it itself in most cases). engines/vllm_actor.py has the same steps awaited."""
     try:
         start()
     except Exception as e:
@@ -79,12 +78,26 @@ def one_update_session(
         finish(None)
         start()
     try:
-        update(update_info)
+        version = work()
     except Exception:
         with contextlib.suppress(Exception):
             finish(None)
         raise
-    finish(None)
+    finish(version)
+
+
+def one_update_session(
+    start: Callable[[], object],
+    update: Callable[[dict[str, Any]], object],
+    finish: Callable[[str | None], object],
+    update_info: dict[str, Any],
+) -> None:
+    """One `update_weights` in its own session, the engine's weight-version label kept."""
+
+    def work() -> None:
+        update(update_info)
+
+    run_session(start, work, finish)
 
 
 def _pause_mode(mode: str) -> str:
@@ -255,31 +268,11 @@ class VllmEngineRanks(RankBatcher):
         self._control.update({"seq": seq, "method": method})
 
     def _in_session(self, work: Callable[[], str | None], *, draft: bool = False) -> None:
-        """`work` inside one vLLM weight-update session (start .. finish), never left open: vLLM
-        accepts update_weights only inside one and refuses a second start while one is open, so a
-        session left open (by a runtime that ended, or a proxy killed) would block every later
-        proxy of the engine. `work` returns the version label finish gives the engine's outputs
-        (None: the label is kept). `draft`: vLLM's draft-model session (its backend targets the
-        drafter until finish)."""
+        """`work` inside one vLLM weight-update session (`run_session`). `draft`: vLLM's
+        draft-model session (its backend targets the drafter until finish)."""
         with self._session:
-            self._start(draft)
-            try:
-                version = work()
-            except Exception:
-                with contextlib.suppress(Exception):  # vLLM closes it itself when update_weights fails
-                    self._control.finish(None)
-                raise
-            self._control.finish(version)
-
-    def _start(self, draft: bool = False) -> None:
-        start = self._control.start_draft if draft else self._control.start
-        try:
-            start()
-        except Exception as e:
-            if "already active" not in str(e):
-                raise
-            self._control.finish(None)  # left open by an earlier proxy of this engine; label kept
-            start()
+            start = self._control.start_draft if draft else self._control.start
+            run_session(start, work, self._control.finish)
 
     def _label_after(self, per_rank: dict[int, tuple], results: list[Result]) -> str | None:
         """The version every local rank will have resumed on once this resume batch is counted
