@@ -25,6 +25,10 @@ from tests.support.quiet_vllm import sitecustomize as _quiet_vllm  # noqa: E402
 
 _quiet_vllm.install()  # the session's own process too (it started before PYTHONPATH changed)
 
+from tests.support.eager import EAGER_HELPERS  # noqa: E402
+
+os.environ.update(EAGER_HELPERS)  # every process the session starts: why in tests/support/eager.py
+
 pytest_plugins = ["tests.support.cpu_report"]
 
 TIERS = ("unit", "e2e", "engines")

@@ -101,7 +101,7 @@ def _model(directory: Path, config: dict[str, Any], weights: bytes) -> Path:
     return directory
 
 
-def test_oracle_key_holds_what_the_outputs_depend_on(tmp_path: Path) -> None:
+def test_oracle_key_holds_what_the_outputs_depend_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     args: dict[str, Any] = {"engine": {"tp": 1}, "prompts": [[1, 2]], "sampling": {"max_tokens": 4}}
     args["outputs"] = {"generate_calls": 1}
     base = rc.oracle_key(_model(tmp_path / "a", {"h": 1}, b"w1"), **args)
@@ -111,6 +111,10 @@ def test_oracle_key_holds_what_the_outputs_depend_on(tmp_path: Path) -> None:
     assert rc.oracle_key(_model(tmp_path / "same", {"h": 1}, b"w1"), **args) == base  # not the path
     assert rc.oracle_key(_model(tmp_path / "b", {"h": 1}, b"w2"), **args) != base  # weights' bytes
     assert rc.oracle_key(_model(tmp_path / "c", {"h": 2}, b"w1"), **args) != base  # model config
+    assert env["torch_compile"]["TORCHDYNAMO_DISABLE"] == "1"  # the session's (tests/conftest.py)
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE")  # compiled helpers: another key
+    assert rc.oracle_key(tmp_path / "a", **args) != base
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     for field, other in (("engine", {"tp": 2}), ("prompts", [[1, 3]]), ("sampling", {"max_tokens": 5})):
         assert rc.oracle_key(tmp_path / "a", **{**args, field: other}) != base, field
     (tmp_path / "a" / "model.safetensors").unlink()

@@ -36,6 +36,9 @@ CPU_FLAGS = frozenset(
 )
 """The /proc/cpuinfo flags that pick a kernel path in torch and vLLM's CPU backend (every avx512*
 flag is kept too): another set may give other logprob bits."""
+COMPILE_ENV_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_")
+"""torch's switches of `torch.compile` (the test session sets TORCHDYNAMO_DISABLE, tests/conftest.py):
+a helper run eagerly may round otherwise than its compiled form."""
 ENGINE_CODE: dict[str, tuple[str, ...] | None] = {
     "engines/vllm_replica.py": ("VllmReplica.__init__", "VllmReplica.generate", "replica_options"),
     "engines/vllm_worker.py": ("VllmRankParticipant.ws_kernel_checksums",),
@@ -99,6 +102,8 @@ def environment() -> dict[str, Any]:
         "cpu": cpu_fingerprint(),
         # the engines' OpenMP threads follow the core count, and so may a GEMM's summation order
         "cpu_count": os.cpu_count(),
+        # whether vLLM's compiled helpers (MoE routing, logprob ranks) run compiled or eagerly
+        "torch_compile": {k: v for k, v in sorted(os.environ.items()) if k.startswith(COMPILE_ENV_PREFIXES)},
     }
 
 

@@ -14,6 +14,7 @@ from helpers import condition, get_json, wait_for
 from node_agent import OWN_IP_ANNOTATION
 
 from sync_runtime.testing.vllm_server import data_parallel_args, serve_args, serve_env
+from tests.support.eager import EAGER_HELPERS
 
 QUIET_VLLM = Path(__file__).resolve().parents[1] / "support" / "quiet_vllm"
 NS = "ws-vllm"
@@ -92,6 +93,7 @@ def deployment(model_dir: str, port: int, *, dp: int = 1) -> dict[str, Any]:
     # (tests/support/quiet_vllm: a pod serving a steady client would otherwise spin both cores).
     env = {k: v for k, v in serve_env(TP, dp).items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(QUIET_VLLM)
+    env.update(EAGER_HELPERS)  # as the session's own engines and the oracle: tests/support/eager.py
     container = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process
