@@ -61,12 +61,12 @@ from tests.support.vllm_deploy import rows_equal
 from tests.support.vllm_server import generate, generations
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
-LONG = 300
-"""Tokens of the in-flight request (prompt 8 + 300 < this server's max_model_len 512, the tiny
-model's max_position_embeddings): long enough to be still running when the pause lands."""
 LONGEST = MAX_MODEL_LEN - len(PROMPTS[0])
-"""Tokens of the request the `abort` test streams: the most the server allows, so that it is still
-running when the pause comes (at LONG it had once ended before)."""
+"""Tokens of the in-flight request: the most the server allows (prompt 8 + 504 = its max_model_len
+512, the tiny model's max_position_embeddings), so that it is still running when the commit hook
+checks it and the pause lands. At 300 tokens it once ended before the abort's pause, and once
+before the keep test's hook looked at it (a CI-equivalent run at 20c9cc4, the first with the
+session's eager helpers, tests/support/eager.py)."""
 STARTED = 4
 """Tokens the in-flight request must have streamed before the replica is paused."""
 ABORT_ATTEMPTS = 3
@@ -89,7 +89,7 @@ def _body(max_tokens: int, stream: bool) -> dict[str, Any]:
     }
 
 
-def long_generation(url: str, max_tokens: int = LONG) -> list[int]:
+def long_generation(url: str, max_tokens: int = LONGEST) -> list[int]:
     """The prompt's `max_tokens` greedy tokens on the server's current weights (not streamed)."""
     r = httpx.post(f"{url}/inference/v1/generate", json=_body(max_tokens, False), timeout=300)
     r.raise_for_status()
@@ -107,7 +107,7 @@ class InFlight(threading.Thread):
     CI run): with the repeat, a request is running whenever the pause lands. `repeats` counts the
     requests that ran to their length before it (each one on the old weights, checked)."""
 
-    def __init__(self, url: str, max_tokens: int = LONG, *, until_aborted: bool = False) -> None:
+    def __init__(self, url: str, max_tokens: int = LONGEST, *, until_aborted: bool = False) -> None:
         super().__init__(daemon=True)
         self.url, self.started, self.max_tokens = url, threading.Event(), max_tokens
         self.until_aborted, self.done = until_aborted, threading.Event()
@@ -156,7 +156,7 @@ class InFlight(threading.Thread):
 
 @pytest.fixture(scope="module")
 def fleet(qwen3_server: Any) -> dict[str, Any]:
-    """The session's shared server (tests/support/shared_server.py: room for LONG tokens)."""
+    """The session's shared server (tests/support/shared_server.py: room for LONGEST tokens)."""
     return {
         "shared": qwen3_server,
         "url": qwen3_server.url,
@@ -170,7 +170,7 @@ def _sync(
     mode: str,
     version: str,
     tp: int = 1,
-    max_tokens: int = LONG,
+    max_tokens: int = LONGEST,
     until_aborted: bool = False,
 ) -> tuple[SyncReport, InFlight]:
     """One sync through the server attacher with pause `mode`, a request streaming meanwhile."""
@@ -229,7 +229,7 @@ def test_keep_freezes_the_request_and_finishes_it_on_the_new_weights(fleet: dict
     report, request = _sync(fleet, "keep", "keep-v1")
     _check_synced(fleet, report, "keep-v1")
     assert request.error is None and request.finish_reason == "length", (request.error, request.finish_reason)
-    assert len(request.tokens) == LONG  # frozen, not failed: it ran to its length after the resume
+    assert len(request.tokens) == LONGEST  # frozen, not failed: it ran to its length after the resume
     # It began on the old weights (their own output for the prompt). That the rest came from the new
     # weights is not asserted: the dummy weights' greedy output repeats a short cycle, and the new
     # weights can continue that cycle too (seen once in a CI-equivalent run), so the tokens alone
