@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 
-QUIET_VLLM = str(Path(__file__).parent / "support" / "quiet_vllm")
+SESSION_SITE = str(Path(__file__).parent / "support" / "session_site")
 """On PYTHONPATH for every process the session starts: vLLM's readers stop spinning a core for a
-second after each message (why, and what it changes: its sitecustomize.py)."""
+second after each message, and heavy imports are frozen out of the garbage collector (why, and
+what it changes: its sitecustomize.py)."""
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    dict.fromkeys([QUIET_VLLM, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    dict.fromkeys([SESSION_SITE, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 )
-from tests.support.quiet_vllm import sitecustomize as _quiet_vllm  # noqa: E402
+from tests.support.session_site import sitecustomize as _session_site  # noqa: E402
 
-_quiet_vllm.install()  # the session's own process too (it started before PYTHONPATH changed)
+_session_site.install()  # the session's own process too (it started before PYTHONPATH changed)
 
 from tests.support.eager import EAGER_HELPERS  # noqa: E402
 

@@ -16,7 +16,7 @@ from node_agent import OWN_IP_ANNOTATION
 from sync_runtime.testing.vllm_server import data_parallel_args, serve_args, serve_env
 from tests.support.eager import EAGER_HELPERS
 
-QUIET_VLLM = Path(__file__).resolve().parents[1] / "support" / "quiet_vllm"
+SESSION_SITE = Path(__file__).resolve().parents[1] / "support" / "session_site"
 NS = "ws-vllm"
 WS = "policy"
 SECRET = "ray-token"
@@ -89,10 +89,10 @@ def deployment(model_dir: str, port: int, *, dp: int = 1) -> dict[str, Any]:
     annotation), so that both replicas serve the same port as on a real node. `dp` 2: one pod
     of a server with two DP engines (docs/vllm.md, "Data-parallel servers")."""
     # The engine settings of the tests' servers; not their PYTHONPATH: the plugin comes from the
-    # installed package, as in a user's image. On it only the test session's quiet vLLM readers
-    # (tests/support/quiet_vllm: a pod serving a steady client would otherwise spin both cores).
+    # installed package, as in a user's image. On it only the test session's site settings
+    # (tests/support/session_site: a pod serving a steady client would otherwise spin both cores).
     env = {k: v for k, v in serve_env(TP, dp).items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(QUIET_VLLM)
+    env["PYTHONPATH"] = str(SESSION_SITE)
     env.update(EAGER_HELPERS)  # as the session's own engines and the oracle: tests/support/eager.py
     container = {
         "name": "vllm",

@@ -1,6 +1,7 @@
-"""The test session's vLLM processes use the short idle window of tests/support/quiet_vllm (why:
-its sitecustomize.py): a process started with the session's environment, as every engine process
-the tests start is, gets it; one started without that directory keeps vLLM's own second."""
+"""The test session's vLLM processes use the short idle window of tests/support/session_site and
+have the heavy imports frozen out of the garbage collector (why: its sitecustomize.py): a process
+started with the session's environment, as every engine process the tests start is, gets both;
+one started without that directory keeps vLLM's own second and freezes nothing."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ import sys
 
 import pytest
 
-from tests.support.quiet_vllm import sitecustomize as quiet
+from tests.support.session_site import sitecustomize as quiet
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
 PROBE = """
-import inspect, json, vllm
+import gc, inspect, json, vllm
 from vllm.distributed.device_communicators import shm_broadcast as shm
 print(json.dumps({
     "version": vllm.__version__,
+    "frozen": gc.get_freeze_count(),
     "marked": getattr(shm.SpinCondition, "weightsync_test_window_s", None),
     "default": inspect.signature(shm.SpinCondition.__init__).parameters["busy_loop_s"].default,
 }))
@@ -38,8 +40,10 @@ def test_engine_processes_of_the_session_wait_quietly_and_others_do_not() -> Non
     assert session["version"].startswith(quiet.QUIET_VERSIONS), session
     assert session["marked"] == quiet.BUSY_WINDOW_S
     assert session["default"] == quiet.BUSY_WINDOW_S
+    assert session["frozen"] > 100_000  # torch's and vLLM's objects, out of every collection
 
     # control: without the directory on PYTHONPATH vLLM keeps its one-second window
-    others = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if "quiet_vllm" not in p]
+    others = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if "session_site" not in p]
     plain = _probe(os.pathsep.join(others))
     assert plain["marked"] is None and plain["default"] == 1
+    assert plain["frozen"] < session["frozen"] // 100  # (one import of vLLM's freezes a few hundred)

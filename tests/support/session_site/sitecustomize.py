@@ -1,0 +1,132 @@
+"""Two settings of the test session's processes that cut their idle and start-up CPU, and change
+nothing they compute.
+
+This directory goes on PYTHONPATH for the processes the test session starts (tests/conftest.py;
+the e2e's server pods get it in their env), so each imports this module at start-up.
+
+1. vLLM's readers wait for their next message without spinning a core. vLLM's shared-memory
+message queue (`vllm.distributed.device_communicators.shm_broadcast`) keeps every reader
+busy-looping for one second after each message it reads (`SpinCondition`, `busy_loop_s=1`, no
+setting): after every step or RPC each TP worker, and the engine core reading their replies,
+holds a core for a second. On a GPU node that buys latency. On the 2-core test machine an engine
+serving a client that sends a request every second never stops spinning: the e2e's TP 2 server
+pod held both cores for its whole test (about 480 of the suite's 3100 CPU-s), starving the
+runtime pod it was being synced by. Measured on a TP 2 engine with ten generations 1.5 s apart:
+23.9 CPU-s with vLLM's window, 4.4 CPU-s with this one. The window is shortened when (and only
+when) vLLM's module is imported. After the window a reader takes vLLM's own idle path (it
+sleeps until the writer's notification, which every write sends), so messages, outputs and
+weights are the same: only idle CPU and wake-up latency change. A vLLM whose `SpinCondition` has
+no `busy_loop_s` keeps its behaviour (`QUIET_VERSIONS`: the versions read);
+tests/engines/test_vllm_quiet.py fails if the window is not applied to the tests' vLLM.
+
+2. The objects a heavy import leaves are frozen out of the garbage collector (`gc.freeze()`, once
+each of FREEZE_AFTER has run). Every process here imports torch, most of them vLLM or
+Megatron-Core too: about a million long-lived objects (modules, functions, classes) that Python's
+collector walks again at each full collection, which the import itself keeps triggering as the
+heap grows, and at each of vLLM's explicit `gc.collect()` calls (two in a worker's model load,
+one after its KV-cache profiling: 0.3-0.8 s each). Measured: importing vLLM's executor and CPU
+worker took 10.1 CPU-s, 7.7 with these freezes, and a `gc.collect()` after it 0.33 s, then 0.0 s.
+vLLM does the same once an engine has started (`freeze_gc_heap`); frozen objects are only never
+collected, so a cycle that becomes garbage among them stays in memory (none is expected of a
+module's own objects). Objects made after the imports are collected as usual.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.abc
+import importlib.machinery
+import inspect
+import sys
+from types import ModuleType
+from typing import Any
+
+SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+BUSY_WINDOW_S = 0.01
+QUIET_VERSIONS = ("0.31.", "0.32.")
+"""vLLM releases whose `SpinCondition(..., busy_loop_s)` this was read against."""
+
+
+def _shorten(module: ModuleType) -> None:
+    spin = getattr(module, "SpinCondition", None)
+    if spin is None or hasattr(spin, "weightsync_test_window_s"):
+        return
+    if "busy_loop_s" not in inspect.signature(spin.__init__).parameters:
+        return
+    original = spin.__init__
+
+    def __init__(self: Any, *args: Any, busy_loop_s: float = BUSY_WINDOW_S, **kwargs: Any) -> None:
+        original(self, *args, busy_loop_s=min(busy_loop_s, BUSY_WINDOW_S), **kwargs)
+
+    spin.__init__ = __init__
+    spin.weightsync_test_window_s = BUSY_WINDOW_S
+
+
+class _AfterShmImport(importlib.abc.MetaPathFinder):
+    """Finds vLLM's shm module with the normal path finder and shortens the window once it ran."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != SHM_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            _shorten(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+FREEZE_AFTER = frozenset(
+    {
+        "torch",
+        "transformers",
+        "ray",
+        "megatron.core",
+        "vllm.config",
+        "vllm.entrypoints.llm",
+        "vllm.v1.executor.abstract",
+        "vllm.v1.worker.cpu_worker",
+        "vllm.model_executor.model_loader",
+    }
+)
+"""Modules after whose import the heap is frozen: the roots of the heavy imports (torch's, vLLM's
+configuration and engine, its CPU worker and model loader, transformers', Ray's, Megatron-Core's)."""
+
+
+class _FreezeAfterImport(importlib.abc.MetaPathFinder):
+    """Finds a FREEZE_AFTER module with the normal path finder and freezes the heap once it ran."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in FREEZE_AFTER:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            gc.freeze()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install() -> None:
+    """Both settings in this process (idempotent). vLLM's window at once if its module is loaded;
+    the heap at once, then after each FREEZE_AFTER module still to come."""
+    if SHM_MODULE in sys.modules:
+        _shorten(sys.modules[SHM_MODULE])
+    elif not any(isinstance(f, _AfterShmImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterShmImport())
+    gc.freeze()
+    if not any(isinstance(f, _FreezeAfterImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _FreezeAfterImport())
+
+
+install()
