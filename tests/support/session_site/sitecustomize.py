@@ -33,6 +33,7 @@ module's own objects). Objects made after the imports are collected as usual.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib.abc
 import importlib.machinery
@@ -127,6 +128,10 @@ def install() -> None:
     gc.freeze()
     if not any(isinstance(f, _FreezeAfterImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _FreezeAfterImport())
+        # At exit the objects are handed back to the collector, so that the interpreter's last
+        # collection frees them as it would have (nanobind, which some of them hold, reports
+        # objects still alive at exit as leaks).
+        atexit.register(gc.unfreeze)
 
 
 install()
