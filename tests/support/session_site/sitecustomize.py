@@ -39,6 +39,7 @@ import importlib.abc
 import importlib.machinery
 import inspect
 import sys
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -63,23 +64,35 @@ def _shorten(module: ModuleType) -> None:
     spin.weightsync_test_window_s = BUSY_WINDOW_S
 
 
-class _AfterShmImport(importlib.abc.MetaPathFinder):
-    """Finds vLLM's shm module with the normal path finder and shortens the window once it ran."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds each module of `names` with the normal path finder and calls `then` on it once it
+    ran (`key` names the setting: one finder per setting and process)."""
+
+    def __init__(self, key: str, names: frozenset[str], then: Callable[[ModuleType], None]) -> None:
+        self.key, self.names, self.then = key, names, then
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != SHM_MODULE:
+        if name not in self.names:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
-        run_module = spec.loader.exec_module
+        run_module, then = spec.loader.exec_module, self.then
 
         def exec_module(module: ModuleType) -> None:
             run_module(module)
-            _shorten(module)
+            then(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+def _add_finder(finder: _AfterImport) -> bool:
+    """Put `finder` first on sys.meta_path unless one for its setting is there (False then)."""
+    if any(isinstance(f, _AfterImport) and f.key == finder.key for f in sys.meta_path):
+        return False
+    sys.meta_path.insert(0, finder)
+    return True
 
 
 FREEZE_AFTER = frozenset(
@@ -99,35 +112,15 @@ FREEZE_AFTER = frozenset(
 configuration and engine, its CPU worker and model loader, transformers', Ray's, Megatron-Core's)."""
 
 
-class _FreezeAfterImport(importlib.abc.MetaPathFinder):
-    """Finds a FREEZE_AFTER module with the normal path finder and freezes the heap once it ran."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in FREEZE_AFTER:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run_module = spec.loader.exec_module
-
-        def exec_module(module: ModuleType) -> None:
-            run_module(module)
-            gc.freeze()
-
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 def install() -> None:
     """Both settings in this process (idempotent). vLLM's window at once if its module is loaded;
     the heap at once, then after each FREEZE_AFTER module still to come."""
     if SHM_MODULE in sys.modules:
         _shorten(sys.modules[SHM_MODULE])
-    elif not any(isinstance(f, _AfterShmImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterShmImport())
+    else:
+        _add_finder(_AfterImport("quiet", frozenset({SHM_MODULE}), _shorten))
     gc.freeze()
-    if not any(isinstance(f, _FreezeAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _FreezeAfterImport())
+    if _add_finder(_AfterImport("freeze", FREEZE_AFTER, lambda _: gc.freeze())):
         # At exit the objects are handed back to the collector, so that the interpreter's last
         # collection frees them as it would have (nanobind, which some of them hold, reports
         # objects still alive at exit as leaks).
