@@ -24,8 +24,10 @@ each of FREEZE_AFTER has run). Every process here imports torch, most of them vL
 Megatron-Core too: about a million long-lived objects (modules, functions, classes) that Python's
 collector walks again at each full collection, which the import itself keeps triggering as the
 heap grows, and at each of vLLM's explicit `gc.collect()` calls (two in a worker's model load,
-one after its KV-cache profiling: 0.3-0.8 s each). Measured: importing vLLM's executor and CPU
-worker took 10.1 CPU-s, 7.7 with these freezes, and a `gc.collect()` after it 0.33 s, then 0.0 s.
+one after its KV-cache profiling: 0.3-0.8 s each). Measured with this directory on PYTHONPATH
+and without (two runs each): importing vLLM's executor and CPU worker took 12.1 CPU-s, 9.8 with
+it, and a `gc.collect()` after it 0.41 s, then 0.0 s; a TP 2 engine's start and first generation
+(cgroup cpuacct) 43.9 CPU-s with the quiet window alone, 39.0 with both settings.
 vLLM does the same once an engine has started (`freeze_gc_heap`); frozen objects are only never
 collected, so a cycle that becomes garbage among them stays in memory (none is expected of a
 module's own objects). Objects made after the imports are collected as usual.
