@@ -37,16 +37,6 @@ LOCAL_POOL_SIZE = 6
 """Ranks of the shared local pool: the largest world of the tests that share it."""
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """This process's heap back to the collector once the tests are collected (their imports were
-    frozen, as in every process of the session), and no freezing after later imports. It runs the
-    planner's property and scale tests, and the planner leaves what a pass made in the oldest
-    generation only where nobody froze the heap (sync_runtime/core/gc_pause.py: vLLM's workers);
-    frozen, those tests ran four times slower (test_digest_is_deterministic_and_sensitive: 5.7 s
-    thawed, 20.2 s frozen)."""
-    _session_site.thaw()
-
-
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: an unmarked test must not just vanish
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wrong = []

@@ -28,7 +28,7 @@ import pytest
 from sync_runtime.core import cost as cost_model
 from sync_runtime.core import memory
 from sync_runtime.core.cost import BucketArrays, LinkCost
-from sync_runtime.core.gc_pause import FROZEN_HEAP, gc_paused
+from sync_runtime.core.gc_pause import gc_paused
 from sync_runtime.core.layouts.base import Piece
 from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role
@@ -240,7 +240,7 @@ def test_hugepage_advice_is_off_while_planning_and_restored(caller: bool) -> Non
 def _heap_frozen(frozen: bool) -> Iterator[None]:
     """This process's heap frozen (as vLLM's workers and the test session's site module leave
     theirs) or not, for the block; frozen again afterwards if it was."""
-    was = gc.get_freeze_count() > FROZEN_HEAP
+    was = gc.get_freeze_count() > 0
     (gc.freeze if frozen else gc.unfreeze)()
     try:
         yield
@@ -261,7 +261,7 @@ def test_gc_paused_leaves_survivors_in_the_oldest_generation(enabled: bool) -> N
             young = {id(o) for o in gc.get_objects(generation=0)}
             oldest = {id(o) for o in gc.get_objects(generation=2)}
             assert id(made) in oldest and not any(id(m) in young for m in made)
-            assert gc.get_freeze_count() <= FROZEN_HEAP  # the interpreter's own, at most
+            assert gc.get_freeze_count() == 0
             control = [[0]]  # made after the pause: young (the check above can fail)
             assert id(control) in {id(o) for o in gc.get_objects(generation=0)}
     finally:
@@ -273,7 +273,7 @@ def test_gc_paused_keeps_a_heap_frozen_before_it_frozen() -> None:
     back to the collector (gc.unfreeze has no partial form)."""
     with _heap_frozen(True):
         before = gc.get_freeze_count()
-        assert before > FROZEN_HEAP  # pytest and this module's imports, at least
+        assert before > 0
         with gc_paused():
             made = [[i] for i in range(1000)]
         assert gc.get_freeze_count() == before  # nothing unfrozen, nothing added

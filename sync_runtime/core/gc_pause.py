@@ -25,15 +25,11 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-FROZEN_HEAP = 10_000
-"""Frozen objects from which the heap counts as frozen by someone: CPython 3.12 starts with a few
-hundred of its own (375 here, with nothing imported); a frozen import-time heap holds 10^5-10^6."""
-
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
     was_enabled = gc.isenabled()
-    frozen_by_others = gc.get_freeze_count() > FROZEN_HEAP  # kept frozen (see the module docstring)
+    frozen_by_others = gc.get_freeze_count() > 0  # kept frozen (see the module docstring)
     gc.disable()
     try:
         yield

@@ -129,11 +129,4 @@ def install() -> None:
         atexit.register(gc.unfreeze)
 
 
-def thaw() -> None:
-    """The heap back to the collector and no freezing after later imports (vLLM's window stays)."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _AfterImport) and f.key == "freeze")]
-    gc.unfreeze()
-
-
-if __name__ == "sitecustomize":  # Python's start-up import; tests/conftest.py calls install itself
-    install()
+install()
