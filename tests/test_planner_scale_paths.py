@@ -15,12 +15,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import platform
 import random
 import resource
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -236,48 +234,22 @@ def test_hugepage_advice_is_off_while_planning_and_restored(caller: bool) -> Non
         switch(before)
 
 
-@contextlib.contextmanager
-def _heap_frozen(frozen: bool) -> Iterator[None]:
-    """This process's heap frozen (as vLLM's workers and the test session's site module leave
-    theirs) or not, for the block; frozen again afterwards if it was."""
-    was = gc.get_freeze_count() > 0
-    (gc.freeze if frozen else gc.unfreeze)()
-    try:
-        yield
-    finally:
-        (gc.freeze if was else gc.unfreeze)()
-
-
 @pytest.mark.parametrize("enabled", [True, False])
 def test_gc_paused_leaves_survivors_in_the_oldest_generation(enabled: bool) -> None:
     was = gc.isenabled()
     (gc.enable if enabled else gc.disable)()
     try:
-        with _heap_frozen(False):
-            with gc_paused():
-                assert not gc.isenabled()
-                made = [[i] for i in range(1000)]  # tracked containers, made while paused
-            assert gc.isenabled() is enabled
-            young = {id(o) for o in gc.get_objects(generation=0)}
-            oldest = {id(o) for o in gc.get_objects(generation=2)}
-            assert id(made) in oldest and not any(id(m) in young for m in made)
-            assert gc.get_freeze_count() == 0
-            control = [[0]]  # made after the pause: young (the check above can fail)
-            assert id(control) in {id(o) for o in gc.get_objects(generation=0)}
+        with gc_paused():
+            assert not gc.isenabled()
+            made = [[i] for i in range(1000)]  # tracked containers, made while paused
+        assert gc.isenabled() is enabled
+        young = {id(o) for o in gc.get_objects(generation=0)}
+        oldest = {id(o) for o in gc.get_objects(generation=2)}
+        assert id(made) in oldest and not any(id(m) in young for m in made)
+        control = [[0]]  # made after the pause: young (the check above can fail)
+        assert id(control) in {id(o) for o in gc.get_objects(generation=0)}
     finally:
         (gc.enable if was else gc.disable)()
-
-
-def test_gc_paused_keeps_a_heap_frozen_before_it_frozen() -> None:
-    """vLLM freezes a worker's heap after start-up; a shard build in the worker must not hand it
-    back to the collector (gc.unfreeze has no partial form)."""
-    with _heap_frozen(True):
-        before = gc.get_freeze_count()
-        assert before > 0
-        with gc_paused():
-            made = [[i] for i in range(1000)]
-        assert gc.get_freeze_count() == before  # nothing unfrozen, nothing added
-        assert id(made) in {id(o) for o in gc.get_objects()}  # collectable, as without the pause
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")

@@ -10,13 +10,6 @@ oldest generation (`gc.freeze` then `gc.unfreeze`: list splices, nothing scanned
 youngest, all of it would be scanned by the first collection after the pause, and again as it
 ages: 0.42 s right after planning 12,288 ranks. The cost: garbage cycles made before the pause
 wait for a full collection instead of a young one.
-
-Except in a process whose heap someone froze before the pass: vLLM freezes its workers' and
-engine core's heap once they have started (`freeze_gc_heap`: the collector must not rescan the
-model, the KV cache and every imported module while the engine serves), and destination ranks
-build their shards inside those workers. `gc.unfreeze` has no partial form: it would hand the whole
-frozen heap back to the collector, and every full collection during serving would scan it. There
-the pass's survivors stay where Python put them (the young generation), as without the pause.
 """
 
 from __future__ import annotations
@@ -29,13 +22,11 @@ from contextlib import contextmanager
 @contextmanager
 def gc_paused() -> Iterator[None]:
     was_enabled = gc.isenabled()
-    frozen_by_others = gc.get_freeze_count() > 0  # kept frozen (see the module docstring)
     gc.disable()
     try:
         yield
     finally:
-        if not frozen_by_others:
-            gc.freeze()  # survivors to the oldest generation (see the module docstring)
-            gc.unfreeze()
+        gc.freeze()  # survivors to the oldest generation (see the module docstring)
+        gc.unfreeze()
         if was_enabled:
             gc.enable()
