@@ -128,8 +128,9 @@ def deployment(model_dir: str, port: int, *, dp: int = 1) -> dict[str, Any]:
 
 
 def _session_vllm_cache() -> str:
-    """vLLM's cache folder of the test session (vLLM's default: under XDG_CACHE_HOME or ~/.cache),
-    for the pods too. The node agent gives each pod a HOME of its own, where vLLM's cache of what
+    """vLLM's cache folder of the test session, for the pods too: vLLM's default, as `vllm.envs`
+    computes it (not imported here: 3 CPU-seconds of vLLM's imports in a test process that
+    otherwise has none). The node agent gives each pod a HOME of its own, where vLLM's cache of what
     it learnt about a model class (`modelinfos`, keyed by the hash of the model's source file)
     starts empty: each server would inspect its class once more in a subprocess that imports vLLM
     (measured with process accounting: about 10 CPU-seconds a pod)."""
