@@ -1,7 +1,7 @@
-"""A continuous checker of serving replicas. Every destination rank is read back to back (>= 20
-Hz per rank) while a trial runs: (version, serving, poisoned, checksums, when), taken atomically
-by `ws_observe` under the participant's lock, `when` on the host's monotonic clock (all ranks of
-these tests share one host). Violations:
+"""A continuous checker of serving replicas. Every destination rank is read back to back (tens
+of readings a second per rank) while a trial runs: (version, serving, poisoned, checksums, when),
+taken atomically by `ws_observe` under the participant's lock, `when` on the host's monotonic
+clock (all ranks of these tests share one host). Violations:
 
 - a *mix*: at some instant, ranks of one replica hold different committed versions while one
   of them serves. A rank's state at the instant of another rank's reading is known when its
