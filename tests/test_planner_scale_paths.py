@@ -15,10 +15,14 @@
 
 from __future__ import annotations
 
-import gc
+import json
+import os
 import platform
 import random
 import resource
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +30,7 @@ import pytest
 from sync_runtime.core import cost as cost_model
 from sync_runtime.core import memory
 from sync_runtime.core.cost import BucketArrays, LinkCost
-from sync_runtime.core.gc_pause import gc_paused
+from sync_runtime.core.gc_pause import FROZEN_BY_HOST
 from sync_runtime.core.layouts.base import Piece
 from sync_runtime.core.models import load_model_config
 from sync_runtime.core.topology import ParallelSpec, Role
@@ -234,22 +238,61 @@ def test_hugepage_advice_is_off_while_planning_and_restored(caller: bool) -> Non
         switch(before)
 
 
+GC_PROBE = """
+import gc, json, sys, weakref
+from sync_runtime.core.gc_pause import FROZEN_BY_HOST, gc_paused
+class Node: pass
+host_froze, enabled = sys.argv[1] == "frozen", sys.argv[2] == "enabled"
+(gc.enable if enabled else gc.disable)()
+if host_froze:
+    heap = [[i] for i in range(2 * FROZEN_BY_HOST)]  # a host's long-lived objects, frozen by it
+    gc.freeze()
+before = gc.get_freeze_count()
+with gc_paused():
+    paused = not gc.isenabled()
+    made = [[i] for i in range(1000)]  # tracked containers, made while paused
+    cycle = Node(); cycle.me = cycle; dead = weakref.ref(cycle); del cycle  # garbage, made meanwhile
+control = [[0]]  # made after the pass: young (the checks below can fail)
+ids = lambda g: {id(o) for o in gc.get_objects(generation=g)}
+print(json.dumps({
+    "paused": paused, "enabled_after": gc.isenabled(), "frozen_before": before,
+    "frozen_after": gc.get_freeze_count(), "made_in": [g for g in range(3) if id(made) in ids(g)],
+    "made_young": any(id(m) in ids(0) for m in made), "control_young": id(control) in ids(0),
+    "cycle_collected": dead() is None,
+}))
+"""
+
+
+def _gc_probe(host_froze: bool, enabled: bool) -> dict:
+    """In a plain interpreter: the test session's site module freezes this process's heap."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and "session_site" not in p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *paths])}
+    args = ["frozen" if host_froze else "plain", "enabled" if enabled else "disabled"]
+    out = subprocess.run(
+        [sys.executable, "-c", GC_PROBE, *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 def test_gc_paused_leaves_survivors_in_the_oldest_generation(enabled: bool) -> None:
-    was = gc.isenabled()
-    (gc.enable if enabled else gc.disable)()
-    try:
-        with gc_paused():
-            assert not gc.isenabled()
-            made = [[i] for i in range(1000)]  # tracked containers, made while paused
-        assert gc.isenabled() is enabled
-        young = {id(o) for o in gc.get_objects(generation=0)}
-        oldest = {id(o) for o in gc.get_objects(generation=2)}
-        assert id(made) in oldest and not any(id(m) in young for m in made)
-        control = [[0]]  # made after the pause: young (the check above can fail)
-        assert id(control) in {id(o) for o in gc.get_objects(generation=0)}
-    finally:
-        (gc.enable if was else gc.disable)()
+    r = _gc_probe(host_froze=False, enabled=enabled)
+    assert r["paused"] and r["enabled_after"] is enabled
+    assert r["made_in"] == [2] and not r["made_young"] and r["control_young"]
+    assert r["frozen_before"] < FROZEN_BY_HOST and r["frozen_after"] == 0  # CPython's own few too
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_gc_paused_keeps_a_heap_its_host_froze_frozen(enabled: bool) -> None:
+    """vLLM's engine core and GPU workers freeze their heap once started; a pass in them must not
+    hand it back to the collector (the unfreeze of the plain case would: frozen_after == 375)."""
+    r = _gc_probe(host_froze=True, enabled=enabled)
+    assert r["paused"] and r["enabled_after"] is enabled
+    assert r["frozen_before"] > FROZEN_BY_HOST
+    assert r["frozen_after"] >= r["frozen_before"] + 1000  # the host's heap and the pass's survivors
+    assert r["made_in"] == [] and not r["made_young"] and r["control_young"]
+    assert r["cycle_collected"]  # garbage made during the pass is not frozen with the survivors
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt settings are glibc's")
