@@ -31,11 +31,24 @@ FROZEN_BY_HOST = 10_000
 """Frozen objects above which the heap counts as frozen on purpose: CPython 3.12 starts with a few
 hundred of its own (375 here), a frozen vLLM process holds millions."""
 
+_seen_frozen = False
+
+
+def _host_froze() -> bool:
+    """Whether this process's heap was frozen on purpose. `gc.get_freeze_count()` walks the whole
+    frozen list (31% of a test module's CPU when asked at every pass of a frozen process), so it is
+    asked only until the answer is yes: from then on this module keeps the heap frozen itself.
+    (Should the host unfreeze it later, the next pass freezes it again, as the host had it.)"""
+    global _seen_frozen
+    if not _seen_frozen:
+        _seen_frozen = gc.get_freeze_count() > FROZEN_BY_HOST  # cheap while few are frozen
+    return _seen_frozen
+
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
     was_enabled = gc.isenabled()
-    host_froze = gc.get_freeze_count() > FROZEN_BY_HOST
+    host_froze = _host_froze()
     gc.disable()
     try:
         yield
