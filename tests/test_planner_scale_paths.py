@@ -285,8 +285,8 @@ def test_gc_paused_leaves_survivors_in_the_oldest_generation(enabled: bool) -> N
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_gc_paused_keeps_a_heap_its_host_froze_frozen(enabled: bool) -> None:
-    """vLLM's engine core and GPU workers freeze their heap once started; a pass in them must not
-    hand it back to the collector (the unfreeze of the plain case would: frozen_after == 375)."""
+    """A process that froze its heap (a trainer after building its model, as vLLM does once an
+    engine has started) keeps it frozen across a pass (the plain case's unfreeze would leave 0)."""
     r = _gc_probe(host_froze=True, enabled=enabled)
     assert r["paused"] and r["enabled_after"] is enabled
     assert r["frozen_before"] > FROZEN_BY_HOST

@@ -12,13 +12,17 @@ scans (0.42 s for the first collection right after planning 12,288 ranks, and ag
   (`gc.freeze` then `gc.unfreeze`: list splices, nothing scanned). The cost: garbage cycles made
   before the pause wait for a full collection instead of a young one.
 - In a process whose heap was frozen before the pass, the heap stays frozen and the pass's
-  survivors join it (a young collection first, then `gc.freeze`). vLLM freezes its engine core
-  after start-up and its GPU workers after warm-up (`vllm.utils.gc_utils.freeze_gc_heap`) so that
-  no full collection rescans the model while it serves, and unfreezes at shutdown; destination
-  ranks build their shards inside those processes, and Python has no partial unfreeze: the
-  splice above would hand vLLM's whole heap back to the collector at the first sync. The young
-  collection frees the garbage cycles made meanwhile (by other threads too) before freezing; a
-  survivor that later becomes part of a garbage cycle stays in memory until the host unfreezes.
+  survivors join it (a young collection first, then `gc.freeze`: what vLLM's `freeze_gc_heap`
+  does once an engine has started). A process freezes its heap so that no full collection
+  rescans its long-lived objects (a trainer after building its model; the test session's site
+  module after each heavy import), and Python has no partial unfreeze: the splice above would
+  hand the whole heap back to the collector at the first pass. The young collection frees the
+  garbage cycles made meanwhile (by other threads too) before freezing; a survivor that later
+  becomes part of a garbage cycle stays in memory until the process unfreezes.
+
+The passes run where shards and plans are built: the runtime (coordinator) and the source ranks
+(the trainer's processes). A vLLM destination rank builds neither (it receives its program and
+reports its tensors from the live model), so vLLM's frozen engine processes never run one.
 """
 
 from __future__ import annotations

@@ -101,10 +101,6 @@ def test_a_tensor_the_engine_does_not_hold_is_refused_before_any_byte(deployment
 def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment: dict[str, Any]) -> None:
     setup, replicas = deployment["setup"], deployment["replicas"]
     dummy = deployment["dummy"]  # recorded when the pair started (another module may have synced it)
-    # The workers' heaps are frozen (by the session's site module, as vLLM's GPU worker freezes its
-    # own after warm-up): the syncs' shard builds must leave them frozen (core/gc_pause.py).
-    frozen = [worker_call(r, "wstest_frozen_objects")[0] for r in replicas]
-    assert min(frozen) > 100_000, frozen  # (an earlier sync that unfroze them would show here)
     coordinator = Coordinator(deployment["spec"], NullReporter(), manifest=deployment["manifest"])
     try:
         report = coordinator.sync("v1")
@@ -118,8 +114,6 @@ def test_sync_then_a_training_step_is_bit_identical_to_the_reference(deployment:
         v2 = generations(replicas)
     finally:
         coordinator.close()
-    after = [worker_call(r, "wstest_frozen_objects")[0] for r in replicas]
-    assert all(a >= f for a, f in zip(after, frozen, strict=True)), (frozen, after)
     ref = deployment["ref_v2"]
     assert v2[0] == ref and v2[1] == ref  # token ids and logprobs, bit for bit
     assert rows_equal(dummy[0], ref) == 0  # negative control: the dummy weights generate otherwise

@@ -17,7 +17,6 @@ dispatch) holds the worker's destination rank (`_ws_part`, a `VllmRankParticipan
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 WORKER_CALL_TIMEOUT_S = 300.0
@@ -35,10 +34,6 @@ class PluginRankAccess:
                 "rank: the engine was not started with the weightsync backend, or not attached yet"
             )
         return part
-
-    def wstest_frozen_objects(self) -> int:
-        """Objects this worker's process keeps out of garbage collection (`gc.freeze`)."""
-        return gc.get_freeze_count()
 
 
 def worker_call(engine: Any, method: str, *args: Any, timeout_s: float = WORKER_CALL_TIMEOUT_S) -> list[Any]:
