@@ -37,6 +37,7 @@ from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.planner import PlannerConfig, columns, lanes
 from sync_runtime.planner.refine import build_cells, build_shared_cells
 from sync_runtime.runtime.hf_manifest import build_manifest
+from tests.support.session_site import sitecustomize as session_site
 from tests.test_planner_properties import Case, run_case, side
 
 pytestmark = pytest.mark.unit
@@ -265,8 +266,8 @@ print(json.dumps({
 
 def _gc_probe(host_froze: bool, enabled: bool) -> dict:
     """In a plain interpreter: the test session's site module freezes this process's heap."""
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and "session_site" not in p]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), *paths])}
+    pythonpath = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": session_site.pythonpath_without_this_site(pythonpath)}
     args = ["frozen" if host_froze else "plain", "enabled" if enabled else "disabled"]
     out = subprocess.run(
         [sys.executable, "-c", GC_PROBE, *args], env=env, capture_output=True, text=True, timeout=60

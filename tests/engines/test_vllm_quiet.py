@@ -43,7 +43,6 @@ def test_engine_processes_of_the_session_wait_quietly_and_others_do_not() -> Non
     assert session["frozen"] > 100_000  # torch's and vLLM's objects, out of every collection
 
     # control: without the directory on PYTHONPATH vLLM keeps its one-second window
-    others = [p for p in os.environ["PYTHONPATH"].split(os.pathsep) if "session_site" not in p]
-    plain = _probe(os.pathsep.join(others))
+    plain = _probe(quiet.pythonpath_without_this_site(os.environ["PYTHONPATH"]))
     assert plain["marked"] is None and plain["default"] == 1
     assert plain["frozen"] < session["frozen"] // 100  # (CPython 3.12 starts with a few hundred of its own)

@@ -40,6 +40,7 @@ import gc
 import importlib.abc
 import importlib.machinery
 import inspect
+import os
 import sys
 from collections.abc import Callable
 from types import ModuleType
@@ -112,6 +113,13 @@ FREEZE_AFTER = frozenset(
 )
 """Modules after whose import the heap is frozen: the roots of the heavy imports (torch's, vLLM's
 configuration and engine, its CPU worker and model loader, transformers', Ray's, Megatron-Core's)."""
+
+
+def pythonpath_without_this_site(pythonpath: str) -> str:
+    """`pythonpath` without this directory: what a process started outside the test session gets
+    (the tests that compare the two, and those that need a plain interpreter)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.pathsep.join(p for p in pythonpath.split(os.pathsep) if p and os.path.abspath(p) != here)
 
 
 def install() -> None:
