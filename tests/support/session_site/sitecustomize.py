@@ -1,4 +1,4 @@
-"""Two settings of the test session's processes that cut their idle and start-up CPU, and change
+"""Three settings of the test session's processes that cut their idle and start-up CPU, and change
 nothing they compute.
 
 This directory goes on PYTHONPATH for the processes the test session starts (tests/conftest.py;
@@ -31,6 +31,21 @@ it, and a `gc.collect()` after it 0.41 s, then 0.0 s; a TP 2 engine's start and 
 vLLM does the same once an engine has started (`freeze_gc_heap`); frozen objects are only never
 collected, so a cycle that becomes garbage among them stays in memory (none is expected of a
 module's own objects). Objects made after the imports are collected as usual.
+
+3. vLLM's child processes (engine core, TP/PP workers, DP coordinator) are forked where vLLM
+itself would fork them on a GPU node: vLLM's default start method is `fork`, and its
+`_maybe_force_spawn` keeps `spawn` only in a Ray actor, with CUDA initialized, under WSL or with
+`--numa-bind`; its CPU platform instead sets `spawn` for every process. A spawned child imports
+torch and vLLM again and rebuilds what its parent had: measured on a TP 2 `vllm.LLM` (tiny Qwen3,
+engine core and two workers), start and first generation took 72.7 CPU-s spawned, 24.7 forked,
+with the same tokens. This setting keeps every one of vLLM's own reasons for `spawn` and adds one:
+a process where Ray is initialized (a Ray driver, such as a test process, or an actor) always
+spawns, since its gRPC threads make a fork unsafe. So engines in Ray actors (the tests' user
+engines) still spawn their children, which keeps vLLM's spawn path (the plugin loaded by a fresh
+worker) under test; `vllm serve` processes and the engine cores they, or an actor's `AsyncLLM`,
+start fork theirs. A forked worker still reads its rank's settings: vLLM sets each worker's
+OpenMP threads and binding explicitly at its start (`init_cpu_threads_env`), not only from the
+environment. `WS_TEST_VLLM_SPAWN=1` in a process's environment keeps vLLM's CPU `spawn` there.
 """
 
 from __future__ import annotations
@@ -40,6 +55,7 @@ import gc
 import importlib.abc
 import importlib.machinery
 import inspect
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
@@ -47,6 +63,10 @@ from types import ModuleType
 from typing import Any
 
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+START_MODULE = "vllm.utils.system_utils"
+KEEP_SPAWN_ENV = "WS_TEST_VLLM_SPAWN"
+FORK_CHECKS = ("current_platform", "is_in_ray_actor", "cuda_is_initialized", "in_wsl")
+"""The names of vLLM's module that `_fork_is_safe` reads (0.31 and 0.32 have them)."""
 BUSY_WINDOW_S = 0.01
 QUIET_VERSIONS = ("0.31.", "0.32.")
 """vLLM releases whose `SpinCondition(..., busy_loop_s)` this was read against."""
@@ -65,6 +85,39 @@ def _shorten(module: ModuleType) -> None:
 
     spin.__init__ = __init__
     spin.weightsync_test_window_s = BUSY_WINDOW_S
+
+
+def _fork_is_safe(system_utils: ModuleType) -> bool:
+    """vLLM's own conditions for `fork` (all but its CPU platform's blanket `spawn`), and no Ray."""
+    ray = sys.modules.get("ray")
+    return (
+        os.environ.get(KEEP_SPAWN_ENV) != "1"
+        and system_utils.current_platform.is_cpu()
+        and not (ray is not None and ray.is_initialized())
+        and not system_utils.is_in_ray_actor()
+        and not system_utils.cuda_is_initialized()
+        and not system_utils.in_wsl()
+        and "--numa-bind" not in sys.argv
+    )
+
+
+def _fork_children(system_utils: ModuleType) -> None:
+    """vLLM's `get_mp_context` returns a `fork` context where `_fork_is_safe`. Patched in the
+    module right after it ran, before any vLLM module imports the function by name."""
+    original = system_utils.get_mp_context
+    if getattr(original, "weightsync_test_fork", False) or not all(
+        hasattr(system_utils, name) for name in FORK_CHECKS
+    ):
+        return  # a vLLM whose module differs keeps its own start method
+
+    def get_mp_context() -> Any:
+        context = original()
+        if context.get_start_method() == "spawn" and _fork_is_safe(system_utils):
+            return multiprocessing.get_context("fork")
+        return context
+
+    get_mp_context.weightsync_test_fork = True  # type: ignore[attr-defined]
+    system_utils.get_mp_context = get_mp_context
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -123,12 +176,17 @@ def pythonpath_without_this_site(pythonpath: str) -> str:
 
 
 def install() -> None:
-    """Both settings in this process (idempotent). vLLM's window at once if its module is loaded;
-    the heap at once, then after each FREEZE_AFTER module still to come."""
+    """The settings in this process (idempotent). vLLM's window and start method at once if their
+    modules are loaded, else when they are; the heap at once, then after each FREEZE_AFTER
+    module still to come."""
     if SHM_MODULE in sys.modules:
         _shorten(sys.modules[SHM_MODULE])
     else:
         _add_finder(_AfterImport("quiet", frozenset({SHM_MODULE}), _shorten))
+    if START_MODULE in sys.modules:
+        _fork_children(sys.modules[START_MODULE])
+    else:
+        _add_finder(_AfterImport("fork", frozenset({START_MODULE}), _fork_children))
     gc.freeze()
     if _add_finder(_AfterImport("freeze", FREEZE_AFTER, lambda _: gc.freeze())):
         # At exit the objects are handed back to the collector, so that the interpreter's last
