@@ -65,7 +65,7 @@ from typing import Any
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 START_MODULE = "vllm.utils.system_utils"
 KEEP_SPAWN_ENV = "WS_TEST_VLLM_SPAWN"
-FORK_CHECKS = ("current_platform", "is_in_ray_actor", "cuda_is_initialized", "in_wsl")
+FORK_CHECKS = ("current_platform", "cuda_is_initialized", "in_wsl")
 """The names of vLLM's module that `_fork_is_safe` reads (0.31 and 0.32 have them)."""
 BUSY_WINDOW_S = 0.01
 QUIET_VERSIONS = ("0.31.", "0.32.")
@@ -88,13 +88,13 @@ def _shorten(module: ModuleType) -> None:
 
 
 def _fork_is_safe(system_utils: ModuleType) -> bool:
-    """vLLM's own conditions for `fork` (all but its CPU platform's blanket `spawn`), and no Ray."""
+    """vLLM's own conditions for `fork` (all but its CPU platform's blanket `spawn`), and no Ray:
+    Ray initialized covers vLLM's "in a Ray actor" and also a Ray driver."""
     ray = sys.modules.get("ray")
     return (
         os.environ.get(KEEP_SPAWN_ENV) != "1"
         and system_utils.current_platform.is_cpu()
         and not (ray is not None and ray.is_initialized())
-        and not system_utils.is_in_ray_actor()
         and not system_utils.cuda_is_initialized()
         and not system_utils.in_wsl()
         and "--numa-bind" not in sys.argv
@@ -175,18 +175,20 @@ def pythonpath_without_this_site(pythonpath: str) -> str:
     return os.pathsep.join(p for p in pythonpath.split(os.pathsep) if p and os.path.abspath(p) != here)
 
 
+def _when_imported(key: str, name: str, then: Callable[[ModuleType], None]) -> None:
+    """`then(module)` at once if module `name` is loaded, else once it is (setting `key`)."""
+    if name in sys.modules:
+        then(sys.modules[name])
+    else:
+        _add_finder(_AfterImport(key, frozenset({name}), then))
+
+
 def install() -> None:
     """The settings in this process (idempotent). vLLM's window and start method at once if their
     modules are loaded, else when they are; the heap at once, then after each FREEZE_AFTER
     module still to come."""
-    if SHM_MODULE in sys.modules:
-        _shorten(sys.modules[SHM_MODULE])
-    else:
-        _add_finder(_AfterImport("quiet", frozenset({SHM_MODULE}), _shorten))
-    if START_MODULE in sys.modules:
-        _fork_children(sys.modules[START_MODULE])
-    else:
-        _add_finder(_AfterImport("fork", frozenset({START_MODULE}), _fork_children))
+    _when_imported("quiet", SHM_MODULE, _shorten)
+    _when_imported("fork", START_MODULE, _fork_children)
     gc.freeze()
     if _add_finder(_AfterImport("freeze", FREEZE_AFTER, lambda _: gc.freeze())):
         # At exit the objects are handed back to the collector, so that the interpreter's last
