@@ -115,6 +115,8 @@ def test_oracle_key_holds_what_the_outputs_depend_on(tmp_path: Path, monkeypatch
     monkeypatch.delenv("TORCHDYNAMO_DISABLE")  # compiled helpers: another key
     assert rc.oracle_key(tmp_path / "a", **args) != base
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a place, not a switch
+    assert rc.oracle_key(tmp_path / "a", **args) == base
     for field, other in (("engine", {"tp": 2}), ("prompts", [[1, 3]]), ("sampling", {"max_tokens": 5})):
         assert rc.oracle_key(tmp_path / "a", **{**args, field: other}) != base, field
     (tmp_path / "a" / "model.safetensors").unlink()

@@ -39,6 +39,10 @@ flag is kept too): another set may give other logprob bits."""
 COMPILE_ENV_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_")
 """torch's switches of `torch.compile` (the test session sets TORCHDYNAMO_DISABLE, tests/conftest.py):
 a helper run eagerly may round otherwise than its compiled form."""
+NOT_COMPILE_SWITCHES = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+"""Where Inductor keeps what it compiled, which torch writes into the environment the first time a
+process looks it up: with it, a key depended on whether an earlier test of the same process had
+(each vLLM module run alone missed every oracle its lane had stored)."""
 ENGINE_CODE: dict[str, tuple[str, ...] | None] = {
     "engines/vllm_replica.py": ("VllmReplica.__init__", "VllmReplica.generate", "replica_options"),
     "engines/vllm_worker.py": ("VllmRankParticipant.ws_kernel_checksums",),
@@ -103,7 +107,11 @@ def environment() -> dict[str, Any]:
         # the engines' OpenMP threads follow the core count, and so may a GEMM's summation order
         "cpu_count": os.cpu_count(),
         # whether vLLM's compiled helpers (MoE routing, logprob ranks) run compiled or eagerly
-        "torch_compile": {k: v for k, v in sorted(os.environ.items()) if k.startswith(COMPILE_ENV_PREFIXES)},
+        "torch_compile": {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith(COMPILE_ENV_PREFIXES) and k not in NOT_COMPILE_SWITCHES
+        },
     }
 
 
