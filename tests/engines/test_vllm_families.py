@@ -11,11 +11,9 @@ The destination under test is a user's engine through the weightsync plugin, as 
 `UserEngine` (sync_runtime/testing/vllm_user_engines.py), a plain Ray actor holding a `vllm.LLM`
 with `weight_transfer_config={"backend": "weightsync"}`, attached with `ActorControl` (its
 `VllmEngineRanks` proxy answers `ws_meta` and the kernel state; the user's actor generates and
-reports the weight version). It runs vLLM's engine core in the actor's process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, `replica_env`), unlike vLLM's default that users usually
-keep: the core's own process would import torch and vLLM once more per family, a third of a TP 2
-engine's start on the shared cores, and changes nothing the plugin does (it reaches the workers
-through `collective_rpc` either way). Asserted per family:
+reports the weight version). Its engine core runs in a process of its own, vLLM's default
+(`user_engine_env`: the one process the actor spawns; the core forks the TP workers in the test
+session). Asserted per family:
 - the tensors the live engine reports (names, per-rank shapes, dtypes) are the vllm layout's
   (gpt-oss's expert weights in the checkpoint's orientation, which its apply permutes as vLLM's
   loader does: `received_permuted`);

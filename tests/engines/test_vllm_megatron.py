@@ -45,10 +45,10 @@ from tests.support.vllm_deploy import (
     CONFIGS,
     destination_ref,
     generations,
-    replica_env,
     rows_equal,
     stop_engines_and_proxies,
     sync_spec,
+    user_engine_env,
 )
 from tests.support.vllm_oracle import Oracles, finish_oracles, start_oracles
 
@@ -98,7 +98,7 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         # the oracles are started only on a reference-cache miss, one at a time (memory)
         oracle = start_oracles(dirs["v1"], NS, {"v1": ("ref-mg1", {"tp": 2})})
         oracles.append(oracle)
-        engine = start_user_engine(dirs["v1"], DST.tp, env=replica_env(DST.tp))  # dummy weights
+        engine = start_user_engine(dirs["v1"], DST.tp, env=user_engine_env(DST.tp))  # dummy weights
         handles = [engine]
         wait_started([engine], timeout_s=800)
         proxies = attach_user_engines([engine], "mg-", NS, tp=DST.tp, timeout_s=800)

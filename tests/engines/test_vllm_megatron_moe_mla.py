@@ -13,7 +13,7 @@ set of actors rebuilt per case:
 
 Both destinations are users' engines through the weightsync plugin: a `UserEngine`
 (sync_runtime/testing/vllm_user_engines.py, a plain Ray actor holding a `vllm.LLM` with
-`weight_transfer_config={"backend": "weightsync"}` and dummy weights, started with `replica_env`),
+`weight_transfer_config={"backend": "weightsync"}` and dummy weights, started with `user_engine_env`),
 attached with `ActorControl`; its `VllmEngineRanks` proxy answers ws_meta, the kernel state and
 the committed bytes while the user's actor generates and reports vLLM's weight version.
 
@@ -68,11 +68,11 @@ from tests.support.vllm_deploy import (
     destination_ref,
     generations,
     kernel_checksums,
-    replica_env,
     rows_equal,
     stop_engines_and_proxies,
     stop_replicas,
     sync_spec,
+    user_engine_env,
 )
 from tests.support.vllm_oracle import Oracles, finish_oracles, start_oracles
 
@@ -121,11 +121,11 @@ def _engines(
 ) -> Iterator[tuple[Any, Any, list[Generation], list[dict[str, str]]]]:
     """(user's actor, its proxy, the oracle's generations, the oracle's kernel checksums): a
     dummy-weight user's engine at TP 2 through the weightsync plugin (a `UserEngine` started with
-    `replica_env`, attached with `ActorControl` as replica 0 of destination `{name}-`), started
+    `user_engine_env`, attached with `ActorControl` as replica 0 of destination `{name}-`), started
     together with the oracle engine of the same config (only on a reference-cache miss); the
     oracle generates `calls` times, reports its kernel checksums and is stopped before the body."""
     oracles = _oracle(name, directory, config, reference, calls)
-    user = start_user_engine(str(directory), 2, env=replica_env(2))
+    user = start_user_engine(str(directory), 2, env=user_engine_env(2))
     proxies: list[Any] = []
     try:
         wait_started([user], timeout_s=800)

@@ -46,7 +46,13 @@ from sync_runtime.testing.hf_source import HfDemoSource
 from sync_runtime.testing.vllm_deploy import destination_ref, stop_replicas, sync_spec
 from sync_runtime.testing.vllm_models import CONFIGS, write_model
 from sync_runtime.testing.vllm_user_engines import start_user_engine
-from tests.support.vllm_deploy import generations, kernel_checksums, replica_env, rows_equal, start_replica
+from tests.support.vllm_deploy import (
+    generations,
+    kernel_checksums,
+    rows_equal,
+    start_replica,
+    user_engine_env,
+)
 from tests.support.vllm_oracle import finish_oracles, start_oracles
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(1200)]
@@ -90,8 +96,7 @@ def mtp_engine_args(mtp: int, *, stats: bool) -> dict[str, Any]:
 
 def start_mtp_user_engine(model_dir: str, tp: int) -> Any:
     """The user's actor holding a `vllm.LLM` with the weightsync backend and MTP speculation."""
-    # replica_env: vLLM's engine core in the actor's process (one process fewer to start)
-    return start_user_engine(model_dir, tp, mtp_engine_args(1, stats=True), env=replica_env(tp))
+    return start_user_engine(model_dir, tp, mtp_engine_args(1, stats=True), env=user_engine_env(tp))
 
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")

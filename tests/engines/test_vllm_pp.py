@@ -48,9 +48,9 @@ from tests.support.vllm_deploy import (
     deploy,
     destination_ref,
     kernel_checksums,
-    replica_env,
     stop_engines_and_proxies,
     sync_spec,
+    user_engine_env,
 )
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -73,9 +73,9 @@ def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> It
         references={"ref": ("pp-ref", {"tp": 1})},
     ) as d:
         model_dir = d.setup.model.rsplit("/", 1)[0]
-        # replica_env(PP): one OpenMP binding entry per worker (vLLM's CPU backend asks one per
-        # rank), vLLM's engine core in the actor's process (one process fewer to start)
-        user = start_user_engine(model_dir, 1, {"pipeline_parallel_size": PP}, env=replica_env(PP))
+        # user_engine_env(PP): one OpenMP binding entry per worker (vLLM's CPU backend asks one
+        # per rank), vLLM's engine core in a process of its own
+        user = start_user_engine(model_dir, 1, {"pipeline_parallel_size": PP}, env=user_engine_env(PP))
         proxies: list[Any] = []
         try:
             wait_started([user], timeout_s=800)

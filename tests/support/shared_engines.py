@@ -151,14 +151,14 @@ def start_shared_replica(
     model: str, directory: Path, namespace: str, prefix: str, *, tp: int
 ) -> SharedReplica:
     """A dummy-weight user's engine of CONFIGS[model] at `tp`, up and attached (started with
-    `replica_env`, as tests/support/vllm_deploy.py's `deploy` starts its user engines), with its
+    `user_engine_env`, as tests/support/vllm_deploy.py's `deploy` starts its user engines), with its
     dummy state recorded."""
     from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
-    from tests.support.vllm_deploy import kernel_checksums, replica_env
+    from tests.support.vllm_deploy import kernel_checksums, user_engine_env
 
     config = CONFIGS[model]
     model_dir = write_model(directory, config, build_manifest(config), seed=0, version="v1")
-    handle = start_user_engine(model_dir, tp, env=replica_env(tp))
+    handle = start_user_engine(model_dir, tp, env=user_engine_env(tp))
     proxies: list[Any] = []
     try:
         wait_started([handle], timeout_s=800)
@@ -206,7 +206,7 @@ def start_shared_pair(
     model: str, directory: Path, namespace: str, prefix: str, *, extension: str, replicas: int = 2
 ) -> SharedPair:
     """`replicas` dummy-weight TP 1 user's engines of CONFIGS[model] (started together, with
-    `replica_env(1)`: vLLM's engine core in the actor's process, as `start_shared_replica`'s),
+    `replica_env(1)`: vLLM's engine core in the actor's process, as `user_engine_env(1)`),
     whose workers carry the test worker extension `extension` (vLLM's `worker_extension_cls`),
     up and attached as replicas 0.. of one destination, with their dummy generations recorded."""
     from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started

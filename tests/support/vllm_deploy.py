@@ -53,6 +53,7 @@ __all__ = [
     "stop_engines_and_proxies",
     "stop_replicas",
     "sync_spec",
+    "user_engine_env",
     "wait_ready",
     "write_model",
 ]
@@ -64,6 +65,17 @@ def engine_env(tp: int) -> dict[str, str]:
 
 def replica_env(tp: int) -> dict[str, str]:
     return _deploy.replica_env(tp, pythonpath=(str(ROOT), str(ROOT / "operator")))
+
+
+def user_engine_env(workers: int) -> dict[str, str]:
+    """The environment of the tests' user engines (`UserEngine` actors) of `workers` worker
+    processes (TP x PP): with one, vLLM's engine core in the actor's process (`replica_env`: no
+    process to start); with more, in its own process (vLLM's default, as users run it). A Ray
+    actor can only spawn its children, each importing torch and vLLM again; its own engine core
+    is then the one spawned process, and in the test session the core forks its workers
+    (tests/support/session_site/sitecustomize.py), where with the core in the actor every worker
+    would be spawned."""
+    return replica_env(workers) if workers == 1 else engine_env(workers)
 
 
 def start_replica(name: str, namespace: str, model_dir: str, *, tp: int, **kw: Any) -> Any:
@@ -132,8 +144,7 @@ def deploy(
     exact key, are not started at all). `silent_references` only
     report their checksums (an engine vLLM cannot generate with on CPU). `source_class(coord)`:
     the sources' actor class (default: the demo's Megatron-layout DemoSource). `user_engines`:
-    plugin destinations, each started with `replica_env` (vLLM's engine core in the actor's
-    process: the tests' cost; users keep vLLM's default) and attached once up. Everything is
+    plugin destinations, each started with `user_engine_env` and attached once up. Everything is
     stopped afterwards."""
     config = CONFIGS[model]
     manifest = build_manifest(config)
@@ -142,7 +153,7 @@ def deploy(
     started = {k: start_replica(name, namespace, ref_dir, **kw) for k, (name, kw) in engines.items()}
     users_args = {k: _user_engine_args(a) for k, a in (user_engines or {}).items()}
     users = {
-        k: start_user_engine(ref_dir, tp, extra, env=replica_env(tp))
+        k: start_user_engine(ref_dir, tp, extra, env=user_engine_env(tp))
         for k, (_, tp, extra) in users_args.items()
     }
     proxies: dict[str, Any] = {}
