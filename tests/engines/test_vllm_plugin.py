@@ -6,7 +6,9 @@ Sources: the demo's Megatron-layout actors (tp=2). Destination: `UserEngine`, a 
 holding an offline `vllm.LLM` at TP 2 with dummy weights; WeightSync attaches a
 `VllmEngineRanks` actor to it. Oracle: our `VllmReplica` loaded from the reference checkpoint.
 The backend reaches vLLM's workers only because the installed package declares the
-`vllm.general_plugins` entry point (tools/vllm_env.sh installs this clone).
+`vllm.general_plugins` entry point (tools/vllm_env.sh installs this clone). The engine's core and
+both workers are spawned, as vLLM's CPU platform starts them outside the test session
+(`WS_TEST_VLLM_SPAWN=1`, tests/support/session_site): each loads the plugin as a fresh process.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ DST = ParallelSpec.parse(f"tp={TP}")
 @pytest.fixture(scope="module")
 def deployment(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     directory = tmp_path_factory.mktemp("qwen3plugin") / "v1"
-    with user_deployment(UserEngine, directory, namespace=NS, prefix="plugin", tp=TP) as d:
+    with user_deployment(UserEngine, directory, namespace=NS, prefix="plugin", tp=TP, spawn=True) as d:
         yield d
 
 

@@ -70,27 +70,31 @@ class AsyncUserEngine:
 
 @contextlib.contextmanager
 def user_deployment(
-    actor_class: type, directory: Path, *, namespace: str, prefix: str, tp: int
+    actor_class: type, directory: Path, *, namespace: str, prefix: str, tp: int, spawn: bool = False
 ) -> Iterator[dict]:
     """The demo's Megatron-layout sources (tp=2) holding Qwen3 at v1, its checkpoint-loaded oracle
     (reference cache), the user's actor `actor_class` (dummy weights) started, and WeightSync's
-    ranks actor attached to it as replica 0 of destination `{prefix}-r`; all stopped afterwards."""
+    ranks actor attached to it as replica 0 of destination `{prefix}-r`; all stopped afterwards.
+    `spawn`: the engine spawns all its children, as vLLM's CPU platform does outside the test
+    session (else its own core process forks the workers)."""
     import ray
 
     from sync_runtime.core.topology import ParallelSpec
     from sync_runtime.engines.vllm_actor import ActorControl
     from sync_runtime.engines.vllm_ranks import attach
     from sync_runtime.testing.vllm_deploy import stop_replicas
+    from tests.support.session_site.sitecustomize import KEEP_SPAWN_ENV
     from tests.support.vllm_deploy import deploy, destination_ref, engine_env, sync_spec
 
     dst = ParallelSpec.parse(f"tp={tp}")
+    env = engine_env(tp) | ({KEEP_SPAWN_ENV: "1"} if spawn else {})
     references = {"ref": (f"ref-{prefix}", {"tp": tp})}
     with deploy(
         "qwen3", directory, src="tp=2", dst=dst, namespace=namespace, engines={}, references=references
     ) as d:
         user = (
             ray.remote(actor_class)
-            .options(num_cpus=0, runtime_env={"env_vars": engine_env(tp)})
+            .options(num_cpus=0, runtime_env={"env_vars": env})
             .remote(d.setup.model.rsplit("/", 1)[0], tp)
         )
         ranks = None
