@@ -9,8 +9,11 @@ Tiers (markers registered in pyproject.toml; `make test-unit`, `test-e2e`, `test
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +44,14 @@ file's source (mtime and size) before it uses its bytecode, so an edit is never 
 os.environ["PYTHONPYCACHEPREFIX"] = str(PYCACHE)
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.pycache_prefix, sys.dont_write_bytecode = str(PYCACHE), False  # this process's own imports
+
+IPC_DIR = tempfile.mkdtemp(prefix="ws-test-ipc-")
+"""Where the session's vLLM processes put their IPC sockets (`VLLM_RPC_BASE_PATH`; vLLM's default
+is the system's temporary folder), removed with the session: an engine killed outright (a fault
+trial, an actor `ray.kill`ed at a module's end) cannot remove its own, and a `make test` run left
+about 500 socket files in /tmp."""
+os.environ["VLLM_RPC_BASE_PATH"] = IPC_DIR
+atexit.register(shutil.rmtree, IPC_DIR, ignore_errors=True)
 
 pytest_plugins = ["tests.support.cpu_report"]
 

@@ -77,6 +77,7 @@ def test_a_server_oracles_key_covers_its_command_line_and_tuning_environment(
     assert _server(model) == base
     monkeypatch.setenv("VLLM_PART", "b")  # the Makefile's, exported by `make test-vllm VLLM_PART=b`
     monkeypatch.setenv("VLLM_FILES", "tests/engines/test_vllm_server.py")
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path / "ipc"))  # where sockets go (the session's)
     assert _server(model) == base
     more = keys.server_oracle_key(model, tp=1, calls=2, warmups=2)
     assert more != base  # another request sequence before the kept calls

@@ -42,11 +42,12 @@ ORACLE_LINE = re.compile(
 TUNING_ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "MKL_", "TORCH_")
 """Inherited environment variables that may steer a demo oracle's kernels (thread counts and
 binding, vLLM's CPU backend settings): their values are part of the demos' keys."""
-NOT_TUNING = frozenset({"VLLM_PART", "VLLM_FILES"})
-"""The Makefile's own variables with a tuning prefix: they pick which test files run, not how a
-kernel computes. make exports a variable given on its command line (`make test-vllm VLLM_PART=a`,
-as `make test`'s lanes run), so keeping them made `make test-vllm` alone, or a module moved from
-one lane to the other, miss every oracle `make test` had stored."""
+NOT_TUNING = frozenset({"VLLM_PART", "VLLM_FILES", "VLLM_RPC_BASE_PATH"})
+"""Variables with a tuning prefix that steer no kernel. The Makefile's own pick which test files
+run: make exports a variable given on its command line (`make test-vllm VLLM_PART=a`, as `make
+test`'s lanes run), so keeping them made `make test-vllm` alone, or a module moved from one lane
+to the other, miss every oracle `make test` had stored. `VLLM_RPC_BASE_PATH` is where vLLM puts
+its IPC sockets: a folder of each test session's own (tests/conftest.py)."""
 
 
 def replica_oracle_key(

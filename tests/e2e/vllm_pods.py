@@ -96,6 +96,8 @@ def deployment(model_dir: str, port: int, *, dp: int = 1) -> dict[str, Any]:
     env["PYTHONPATH"] = str(SESSION_SITE)
     env.update(EAGER_HELPERS)  # as the session's own engines and the oracle: tests/support/eager.py
     env["VLLM_CACHE_ROOT"] = _session_vllm_cache()
+    if ipc := os.environ.get("VLLM_RPC_BASE_PATH"):  # the session's socket folder (tests/conftest.py)
+        env["VLLM_RPC_BASE_PATH"] = ipc
     container = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process
