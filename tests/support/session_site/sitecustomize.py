@@ -40,12 +40,15 @@ torch and vLLM again and rebuilds what its parent had: measured on a TP 2 `vllm.
 engine core and two workers), start and first generation took 72.7 CPU-s spawned, 24.7 forked,
 with the same tokens. This setting keeps every one of vLLM's own reasons for `spawn` and adds one:
 a process where Ray is initialized (a Ray driver, such as a test process, or an actor) always
-spawns, since its gRPC threads make a fork unsafe. So engines in Ray actors (the tests' user
-engines) still spawn their children, which keeps vLLM's spawn path (the plugin loaded by a fresh
-worker) under test; `vllm serve` processes and the engine cores they, or an actor's `AsyncLLM`,
-start fork theirs. A forked worker still reads its rank's settings: vLLM sets each worker's
-OpenMP threads and binding explicitly at its start (`init_cpu_threads_env`), not only from the
-environment. `WS_TEST_VLLM_SPAWN=1` in a process's environment keeps vLLM's CPU `spawn` there.
+spawns, since its gRPC threads make a fork unsafe. So an engine in a Ray actor spawns its engine
+core (the tests' user engines of two or more workers keep the core in a process of its own,
+tests/support/vllm_deploy.py's `user_engine_env`, so that the core is their one spawned child),
+and that core, `vllm serve` processes and the cores they start fork theirs. test_vllm_plugin's
+engine spawns every child (`WS_TEST_VLLM_SPAWN=1`), which keeps vLLM's CPU path, the plugin
+loaded by a freshly spawned worker, under test. A forked worker still reads its rank's
+settings: vLLM sets each worker's OpenMP threads and binding explicitly at its start
+(`init_cpu_threads_env`), not only from the environment. `WS_TEST_VLLM_SPAWN=1` in a process's
+environment keeps vLLM's CPU `spawn` there.
 """
 
 from __future__ import annotations
