@@ -30,12 +30,14 @@ from tests.support.session_site import sitecustomize as _session_site  # noqa: E
 
 _session_site.install()  # the session's own process too (it started before PYTHONPATH changed)
 
+from sync_runtime.testing import reference_cache  # noqa: E402
 from tests.support.eager import EAGER_HELPERS  # noqa: E402
 
 os.environ.update(EAGER_HELPERS)  # every process the session starts: why in tests/support/eager.py
 
-PYCACHE = Path.home() / ".cache" / "weightsync" / "pycache"
-"""Where the session's processes keep their bytecode, outside the clone as the environments are.
+PYCACHE = reference_cache.cache_root() / "pycache"
+"""Where the session's processes keep their bytecode, outside the clone in the project's cache
+folder, as the environments are.
 Where the environment asks for none (PYTHONDONTWRITEBYTECODE=1, as on this project's CI machine),
 every process the session starts (Ray workers, rank processes, vLLM's engine processes: hundreds
 a run) compiled the project's modules again as it imported them: importing the coordinator, the

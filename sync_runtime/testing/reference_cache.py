@@ -57,9 +57,14 @@ file): any change to them is a new key, while the rest of those files (the sync 
 which an oracle never runs) can change without recomputing every oracle."""
 
 
+def cache_root() -> Path:
+    """The project's cache folder (`WEIGHTSYNC_CACHE`, default ~/.cache/weightsync), as
+    tools/venv.sh and tests/k8s/ensure_binaries.sh read it."""
+    return Path(os.environ.get("WEIGHTSYNC_CACHE") or Path.home() / ".cache" / "weightsync").expanduser()
+
+
 def cache_dir() -> Path:
-    base = os.environ.get("WEIGHTSYNC_CACHE") or str(Path.home() / ".cache" / "weightsync")
-    return Path(base).expanduser() / "reference"
+    return cache_root() / "reference"
 
 
 def _sha256_files(paths: Iterable[Path]) -> str:

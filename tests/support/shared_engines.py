@@ -206,16 +206,16 @@ def start_shared_pair(
     model: str, directory: Path, namespace: str, prefix: str, *, extension: str, replicas: int = 2
 ) -> SharedPair:
     """`replicas` dummy-weight TP 1 user's engines of CONFIGS[model] (started together, with
-    `replica_env(1)`: vLLM's engine core in the actor's process, as `user_engine_env(1)`),
+    `user_engine_env(1)`: vLLM's engine core in the actor's process),
     whose workers carry the test worker extension `extension` (vLLM's `worker_extension_cls`),
     up and attached as replicas 0.. of one destination, with their dummy generations recorded."""
     from sync_runtime.testing.vllm_user_engines import attach_user_engines, start_user_engine, wait_started
-    from tests.support.vllm_deploy import replica_env
+    from tests.support.vllm_deploy import user_engine_env
 
     config = CONFIGS[model]
     model_dir = write_model(directory, config, build_manifest(config), seed=0, version="v1")
     extra = {"worker_extension_cls": extension}
-    handles = [start_user_engine(model_dir, 1, extra, env=replica_env(1)) for _ in range(replicas)]
+    handles = [start_user_engine(model_dir, 1, extra, env=user_engine_env(1)) for _ in range(replicas)]
     proxies: list[Any] = []
     try:
         wait_started(handles, timeout_s=800)
