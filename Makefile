@@ -29,7 +29,7 @@ VLLM_TESTS := tests/engines/test_vllm* tests/e2e/test_vllm*
 # that share no engine with another module (whole programs among them), runs after the venv tiers
 # so the two lanes end together. `make test-vllm` alone runs every file (VLLM_PART=all).
 VLLM_ALL := $(wildcard tests/engines/test_vllm*.py tests/e2e/test_vllm*.py)
-VLLM_PART_B := tests/e2e/test_vllm_e2e.py tests/engines/test_vllm_server_wide_ep.py
+VLLM_PART_B := tests/e2e/test_vllm_e2e.py tests/engines/test_vllm_server_wide_ep.py tests/engines/test_vllm_server_demo.py
 VLLM_PART ?= all
 VLLM_FILES = $(if $(filter a,$(VLLM_PART)),$(filter-out $(VLLM_PART_B),$(VLLM_ALL)),$(if $(filter b,$(VLLM_PART)),$(VLLM_PART_B),$(VLLM_ALL)))
 NO_VLLM := $(foreach g,$(VLLM_TESTS),--ignore-glob='$(g)')
