@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sync_runtime.testing.reference_cache import cache_root
+
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,8 +38,7 @@ RUNTIME_RULES = {
 
 
 def find_helm() -> str | None:
-    cache = Path(os.environ.get("WEIGHTSYNC_CACHE", Path.home() / ".cache" / "weightsync"))
-    for candidate in sorted(glob.glob(str(cache / "k8s-*" / "bin" / "helm")), reverse=True):
+    for candidate in sorted(glob.glob(str(cache_root() / "k8s-*" / "bin" / "helm")), reverse=True):
         if os.access(candidate, os.X_OK):
             return candidate
     return shutil.which("helm")
