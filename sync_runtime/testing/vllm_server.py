@@ -129,6 +129,44 @@ def serve(
     )
 
 
+class DataParallelNode(NamedTuple):
+    """One node of a data-parallel server whose engines span nodes (vLLM's multi-node DP)."""
+
+    start_rank: int
+    """Its first DP rank: 0 is the head (the API servers and its engines), others are headless."""
+    local: int
+    """DP engines on this node (`--data-parallel-size-local`)."""
+    rpc_port: int
+    """The head's DP RPC port (`--data-parallel-rpc-port`), the same on every node."""
+    address: str = "127.0.0.1"
+    """The head's address (`--data-parallel-address`)."""
+
+
+def serve_node(
+    model_dir: str, port: int, log: Path, node: DataParallelNode, *, dp: int, tp: int = 1
+) -> subprocess.Popen:
+    """One node of a `dp`-engine data-parallel server (`tp` workers per engine) with the weightsync
+    backend, started with vLLM's own `vllm serve` (vllm_cli: `--headless` is only there). The head serves
+    HTTP on `port` with vLLM's default number of API servers (one per DP engine in 0.32); a
+    headless node runs its engines only, which join the head's (and `port` is unused). Its own
+    process group, as `serve`'s."""
+    options = serve_args(model_dir, port, tp=tp)[2:]  # without "-m <vLLM's API server module>"
+    args = [
+        sys.executable,
+        *("-m", "sync_runtime.testing.vllm_cli", "serve"),
+        *options,
+        f"--data-parallel-size={dp}",
+        f"--data-parallel-size-local={node.local}",
+        f"--data-parallel-address={node.address}",
+        f"--data-parallel-rpc-port={node.rpc_port}",
+        *([f"--data-parallel-start-rank={node.start_rank}", "--headless"] if node.start_rank else []),
+    ]
+    env = {**os.environ, **serve_env(tp, node.local)}
+    return subprocess.Popen(
+        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
 def stop(proc: subprocess.Popen, *, kill: bool = False) -> None:
     """SIGKILL (a crash) or SIGTERM to the server's whole process group; returns once every
     process of the group is gone (the engine core and its workers can outlive the API server by

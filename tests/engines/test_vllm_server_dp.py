@@ -1,8 +1,13 @@
-"""A data-parallel `vllm serve` (`--data-parallel-size 2`, TP 1, dense Qwen3) as a destination.
+"""A data-parallel `vllm serve` whose engines span two nodes (TP 1, dense Qwen3) as a destination.
 
-The server is started as a user would (`VLLM_SERVER_DEV_MODE=1`, the weightsync backend from the
-installed package, dummy weights) plus `--data-parallel-size=2`: one API server, two engine cores,
-one worker each. vLLM sends every weight-transfer route to all its engines, so one proxy
+The server is started as a multi-node DP deployment starts it, with vLLM's own `vllm serve`
+(`sync_runtime/testing/vllm_cli.py`): a head (`--data-parallel-size 2 --data-parallel-size-local 1`,
+DP rank 0, and vLLM's default of one API server per DP engine, so two API servers share its port)
+and a headless node (`--headless --data-parallel-start-rank 1`, DP rank 1: an engine core and its
+worker, no HTTP), each its own process group, both with `VLLM_SERVER_DEV_MODE=1`, the weightsync
+backend from the installed package and dummy weights. On one machine the "nodes" are two process
+trees meeting at the head's DP address 127.0.0.1. vLLM sends every weight-transfer route to all
+its engines, the remote one included, so one proxy on the head's URL
 (`VllmEngineRanks(HttpControl(url))`) holds both workers, each DP rank a replica of its own
 (replicas 0 and 1 of the destination). The sources are the demo's Megatron-layout actors at TP 2.
 Oracle: the reference cache's checkpoint-loaded TP 1 `VllmReplica` (the same entry as the other
@@ -15,16 +20,16 @@ before the sync and a scrambled push differ on both, and a resync restores both.
 pauses the server once per sync and applies both replicas inside that one pause (runtime/commit
 `engines_of`).
 A declared DP other than the server's is named before any byte moves (the attacher's check, on
-the real server's world sizes). Wide EP (the DP engines one replica): test_vllm_server_wide_ep.py.
-
-Each DP engine gets both cores (`VLLM_CPU_OMP_THREADS_BIND=0-1|0-1`): two OpenMP threads, as the
-oracle's one TP 1 worker has (engine_env's "0-1" names one entry, and DP rank 1's engine core
-then fails: "Given number of CPU id list [] doesn't match local world size 1").
+the real server's world sizes). One node with both DP engines: the Kubernetes e2e's last test
+(tests/e2e/test_vllm_e2e.py); wide EP (the DP engines one replica): test_vllm_server_wide_ep.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,7 +44,15 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import PROMPTS
-from sync_runtime.testing.vllm_server import Server, generate, launch, per_dp_rank
+from sync_runtime.testing.vllm_server import (
+    DataParallelNode,
+    Server,
+    free_port,
+    generate,
+    per_dp_rank,
+    serve_node,
+    stop,
+)
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
 from tests.support.vllm_server import attached
 
@@ -58,9 +71,18 @@ def outputs_carry_versions() -> bool:
     return not str(vllm.__version__).startswith("0.31.")
 
 
-def launch_dp(model_dir: str, log: Path) -> Server:
-    """`serve` with `--data-parallel-size` (each DP engine on both cores: see module doc)."""
-    return launch(model_dir, log, dp=DP)
+@contextlib.contextmanager
+def two_nodes(model_dir: str, directory: Path) -> Iterator[tuple[Server, subprocess.Popen]]:
+    """The head (a Server: its URL serves HTTP) and the headless node of a DP 2 server, one DP
+    engine each; both stopped on exit."""
+    port, rpc_port = free_port(), free_port()
+    head = serve_node(model_dir, port, directory / "head.log", DataParallelNode(0, 1, rpc_port), dp=DP)
+    other = serve_node(model_dir, 0, directory / "node-1.log", DataParallelNode(1, 1, rpc_port), dp=DP)
+    try:
+        yield Server(f"http://127.0.0.1:{port}", head, directory / "head.log"), other
+    finally:
+        stop(other)
+        stop(head)
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +97,18 @@ def dp_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         engines={},
         references={"ref": ("ref-server", {"tp": 1})},  # the other server tests' oracle entry
     ) as d:
-        server = launch_dp(d.setup.model.rsplit("/", 1)[0], directory / "serve.log")
-        with attached(server, "dp-r0000", NS, ranks=DP) as (url, ranks):
+        nodes = two_nodes(d.setup.model.rsplit("/", 1)[0], directory)
+        with nodes as (server, other), attached(server, "dp-r0000", NS, ranks=DP) as (url, ranks):
             ray.get(ranks.ws_num_ranks.remote(), timeout=300)
             dst = [destination_ref("dp", NS, "dp-r", DST)]
-            yield {"d": d, "url": url, "ranks": ranks, "dst": dst, "ref": d.reference_calls[0]["ref"]}
+            yield {
+                "d": d,
+                "url": url,
+                "ranks": ranks,
+                "dst": dst,
+                "ref": d.reference_calls[0]["ref"],
+                "nodes": [server.proc.pid, other.pid],
+            }
 
 
 def test_each_dp_engine_is_a_replica_behind_one_proxy(dp_server: dict[str, Any]) -> None:
@@ -87,7 +116,8 @@ def test_each_dp_engine_is_a_replica_behind_one_proxy(dp_server: dict[str, Any])
     assert (control.world_size(), control.data_parallel_size()) == (DP, DP)
     metas = ray.get(dp_server["ranks"].ws_meta.remote())
     assert [(m.coord.replica, m.coord.tp_rank, m.coord.pp_rank) for m in metas] == [(0, 0, 0), (1, 0, 0)]
-    assert len({m.pid for m in metas}) == DP  # one worker process per DP engine
+    # one worker process per DP engine, each on its own "node": in that node's process group
+    assert [os.getpgid(m.pid) for m in metas] == dp_server["nodes"]
 
 
 def test_a_wrong_declared_dp_is_named_before_any_byte_moves(dp_server: dict[str, Any]) -> None:
