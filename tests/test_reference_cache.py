@@ -116,7 +116,11 @@ def test_oracle_key_holds_what_the_outputs_depend_on(tmp_path: Path, monkeypatch
     assert rc.oracle_key(tmp_path / "a", **args) != base
     monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # a place, not a switch
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # what `import vllm` sets: a speed
     assert rc.oracle_key(tmp_path / "a", **args) == base
+    monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "1")  # a switch of what Inductor compiles
+    assert rc.oracle_key(tmp_path / "a", **args) != base
+    monkeypatch.delenv("TORCHINDUCTOR_FREEZING")
     for field, other in (("engine", {"tp": 2}), ("prompts", [[1, 3]]), ("sampling", {"max_tokens": 5})):
         assert rc.oracle_key(tmp_path / "a", **{**args, field: other}) != base, field
     (tmp_path / "a" / "model.safetensors").unlink()

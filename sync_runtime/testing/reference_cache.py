@@ -39,10 +39,13 @@ flag is kept too): another set may give other logprob bits."""
 COMPILE_ENV_PREFIXES = ("TORCHDYNAMO_", "TORCHINDUCTOR_")
 """torch's switches of `torch.compile` (the test session sets TORCHDYNAMO_DISABLE, tests/conftest.py):
 a helper run eagerly may round otherwise than its compiled form."""
-NOT_COMPILE_SWITCHES = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
-"""Where Inductor keeps what it compiled, which torch writes into the environment the first time a
-process looks it up: with it, a key depended on whether an earlier test of the same process had
-(each vLLM module run alone missed every oracle its lane had stored)."""
+NOT_COMPILE_SWITCHES = frozenset({"TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_COMPILE_THREADS"})
+"""Variables that steer where and how fast Inductor compiles, not what runs, and that a process
+writes into its own environment as a side effect: torch the cache folder the first time a process
+looks it up, `import vllm` the compile thread count (1, vllm/env_override.py). With them, a key
+depended on whether an earlier test of the same process had (each vLLM module run alone missed
+every oracle its lane had stored; the wide-EP oracle missed when a module that imports vLLM in
+the test process ran before it)."""
 ENGINE_CODE: dict[str, tuple[str, ...] | None] = {
     "engines/vllm_replica.py": ("VllmReplica.__init__", "VllmReplica.generate", "replica_options"),
     "engines/vllm_worker.py": ("VllmRankParticipant.ws_kernel_checksums",),

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -143,13 +144,21 @@ class DataParallelNode(NamedTuple):
 
 
 def serve_node(
-    model_dir: str, port: int, log: Path, node: DataParallelNode, *, dp: int, tp: int = 1
+    model_dir: str,
+    port: int,
+    log: Path,
+    node: DataParallelNode,
+    *,
+    dp: int,
+    tp: int = 1,
+    expert_parallel: bool = False,
 ) -> subprocess.Popen:
     """One node of a `dp`-engine data-parallel server (`tp` workers per engine) with the weightsync
     backend, started with vLLM's own `vllm serve` (vllm_cli: `--headless` is only there). The head serves
     HTTP on `port` with vLLM's default number of API servers (one per DP engine in 0.32); a
     headless node runs its engines only, which join the head's (and `port` is unused). Its own
-    process group, as `serve`'s."""
+    process group, as `serve`'s. `expert_parallel`: the experts split over every engine of every
+    node (vLLM's wide EP)."""
     options = serve_args(model_dir, port, tp=tp)[2:]  # without "-m <vLLM's API server module>"
     args = [
         sys.executable,
@@ -160,11 +169,33 @@ def serve_node(
         f"--data-parallel-address={node.address}",
         f"--data-parallel-rpc-port={node.rpc_port}",
         *([f"--data-parallel-start-rank={node.start_rank}", "--headless"] if node.start_rank else []),
+        *(["--enable-expert-parallel"] if expert_parallel else []),
     ]
     env = {**os.environ, **serve_env(tp, node.local)}
     return subprocess.Popen(
         args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
+
+
+@contextlib.contextmanager
+def one_engine_per_node(
+    model_dir: str, directory: Path, *, dp: int, expert_parallel: bool = False
+) -> Iterator[tuple[Server, list[subprocess.Popen]]]:
+    """A `dp`-engine data-parallel server over `dp` "nodes" of one engine each (TP 1), all on
+    this machine: the head (yielded as the Server: its URL serves HTTP; logs `head.log` in
+    `directory`) and the headless nodes (`node-{r}.log`), every node's processes in a process
+    group of its own (yielded too, head first). Every node is stopped on exit."""
+    port, rpc_port = free_port(), free_port()
+    nodes: list[subprocess.Popen] = []
+    try:
+        for rank in range(dp):
+            log = directory / ("head.log" if rank == 0 else f"node-{rank}.log")
+            node = DataParallelNode(rank, 1, rpc_port)
+            nodes.append(serve_node(model_dir, port, log, node, dp=dp, expert_parallel=expert_parallel))
+        yield Server(f"http://127.0.0.1:{port}", nodes[0], directory / "head.log"), nodes
+    finally:
+        for proc in reversed(nodes):
+            stop(proc)
 
 
 def stop(proc: subprocess.Popen, *, kill: bool = False) -> None:

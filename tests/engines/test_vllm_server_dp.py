@@ -26,12 +26,9 @@ the real server's world sizes). One node with both DP engines: the Kubernetes e2
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -44,15 +41,7 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import PROMPTS
-from sync_runtime.testing.vllm_server import (
-    DataParallelNode,
-    Server,
-    free_port,
-    generate,
-    per_dp_rank,
-    serve_node,
-    stop,
-)
+from sync_runtime.testing.vllm_server import generate, one_engine_per_node, per_dp_rank
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
 from tests.support.vllm_server import attached
 
@@ -71,20 +60,6 @@ def outputs_carry_versions() -> bool:
     return not str(vllm.__version__).startswith("0.31.")
 
 
-@contextlib.contextmanager
-def two_nodes(model_dir: str, directory: Path) -> Iterator[tuple[Server, subprocess.Popen]]:
-    """The head (a Server: its URL serves HTTP) and the headless node of a DP 2 server, one DP
-    engine each; both stopped on exit."""
-    port, rpc_port = free_port(), free_port()
-    head = serve_node(model_dir, port, directory / "head.log", DataParallelNode(0, 1, rpc_port), dp=DP)
-    other = serve_node(model_dir, 0, directory / "node-1.log", DataParallelNode(1, 1, rpc_port), dp=DP)
-    try:
-        yield Server(f"http://127.0.0.1:{port}", head, directory / "head.log"), other
-    finally:
-        stop(other)
-        stop(head)
-
-
 @pytest.fixture(scope="module")
 def dp_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     directory = tmp_path_factory.mktemp("dp-server")
@@ -97,8 +72,8 @@ def dp_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
         engines={},
         references={"ref": ("ref-server", {"tp": 1})},  # the other server tests' oracle entry
     ) as d:
-        nodes = two_nodes(d.setup.model.rsplit("/", 1)[0], directory)
-        with nodes as (server, other), attached(server, "dp-r0000", NS, ranks=DP) as (url, ranks):
+        nodes = one_engine_per_node(d.setup.model.rsplit("/", 1)[0], directory, dp=DP)
+        with nodes as (server, procs), attached(server, "dp-r0000", NS, ranks=DP) as (url, ranks):
             ray.get(ranks.ws_num_ranks.remote(), timeout=300)
             dst = [destination_ref("dp", NS, "dp-r", DST)]
             yield {
@@ -107,7 +82,7 @@ def dp_server(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
                 "ranks": ranks,
                 "dst": dst,
                 "ref": d.reference_calls[0]["ref"],
-                "nodes": [server.proc.pid, other.pid],
+                "nodes": [p.pid for p in procs],
             }
 
 

@@ -1,8 +1,10 @@
 """vLLM's wide EP (`vllm serve --data-parallel-size 2 --enable-expert-parallel`, TP 1) as a
-destination: one replica of two ranks, the experts split over both DP engines.
+destination: one replica of two ranks, the experts split over both DP engines, on two nodes.
 
-The tiny Qwen3-MoE (8 experts) served with dummy weights and the weightsync backend, as a user
-starts it, attached through one proxy (`VllmEngineRanks(HttpControl(url))`) and declared
+The tiny Qwen3-MoE (8 experts) served with dummy weights and the weightsync backend, as a
+multi-node deployment starts it (`one_engine_per_node`: vLLM's own `vllm serve` command, a head
+with DP rank 0 and its API servers, a headless node with DP rank 1, two process trees meeting at
+127.0.0.1), attached through one proxy on the head's URL (`VllmEngineRanks(HttpControl(url))`) and declared
 `tp=1,dp=2,ep=2`: each worker reports replica 0, its DP rank and vLLM's EP rank (dp_rank * tp +
 tp_rank), and holds experts [4*ep_rank, 4*ep_rank + 4) (vLLM's linear placement) plus the whole
 TP 1 attention and dense layers. The sources are the demo's Megatron-layout actors (DP 2, EP 2).
@@ -14,7 +16,9 @@ read, the prepacked experts included) equal those of the same wide-EP server loa
 checkpoint by vLLM's own loader, matched by (DP rank, TP rank). That oracle comes from the
 reference cache (keyed by the server's command line and environment, the checkpoint's bytes,
 the vLLM/torch versions and CPU, and the WeightSync code that reports kernel checksums): a warm
-run starts one server, the one under test; a miss starts the oracle server first, alone.
+run starts one server, the one under test; a miss starts the oracle server first, alone. The
+oracle runs both engines in one `serve` (vLLM's API server module): a worker's kernel state
+depends on its DP and TP rank, not on which node runs it.
 Negative controls: the dummy weights before the sync and a scrambled push differ (every expert
 tensor), and a resync restores the checkpoint's state. Each worker receives its own experts
 only: its bytes received are under the full model's.
@@ -30,6 +34,7 @@ tests/test_wide_ep.py's.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +56,7 @@ from sync_runtime.testing.vllm_server import (
     Server,
     data_parallel_args,
     launch,
+    one_engine_per_node,
     serve_args,
     serve_env,
 )
@@ -67,8 +73,8 @@ EXPERTS = ("w13_weight", "w2_weight")
 
 
 def launch_wide_ep(model_dir: str, log: Path, load_format: str = "dummy") -> Server:
-    """`serve` with DP 2 and expert parallel, the weightsync backend on (the oracle reports its
-    kernel checksums through it)."""
+    """`serve` with DP 2 and expert parallel on one node, the weightsync backend on (the oracle:
+    it reports its kernel checksums through it)."""
     return launch(model_dir, log, load_format=load_format, dp=DP, expert_parallel=True)
 
 
@@ -118,11 +124,22 @@ def wide(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             oracle_key(model_dir), lambda: compute_oracle(model_dir, directory / "oracle.log")
         )
         print(f"wide-EP oracle: {ref.status}")
-        server = launch_wide_ep(model_dir, directory / "serve.log")
-        with attached(server, "wide-r0000", NS, ranks=DP, control=UnpausedHttpControl) as (url, ranks):
+        nodes = one_engine_per_node(model_dir, directory, dp=DP, expert_parallel=True)
+        with (
+            nodes as (server, procs),
+            attached(server, "wide-r0000", NS, ranks=DP, control=UnpausedHttpControl) as (url, ranks),
+        ):
             metas = ray.get(ranks.ws_meta.remote(), timeout=300)
             dst = [destination_ref("wide", NS, "wide-r", DST)]
-            yield {"d": d, "url": url, "ranks": ranks, "metas": metas, "dst": dst, "ref": ref.value}
+            yield {
+                "d": d,
+                "url": url,
+                "ranks": ranks,
+                "metas": metas,
+                "dst": dst,
+                "ref": ref.value,
+                "nodes": [p.pid for p in procs],
+            }
 
 
 def test_the_dp_engines_are_one_replica_each_worker_with_its_own_experts(wide: dict[str, Any]) -> None:
@@ -131,7 +148,8 @@ def test_the_dp_engines_are_one_replica_each_worker_with_its_own_experts(wide: d
     metas = wide["metas"]
     coords = [(m.coord.replica, m.coord.dp_rank, m.coord.tp_rank, m.coord.ep_rank) for m in metas]
     assert coords == [(0, 0, 0, 0), (0, 1, 0, 1)]  # ep_rank = dp_rank * tp + tp_rank
-    assert len({m.pid for m in metas}) == DP  # one worker process per DP engine
+    # one worker process per DP engine, each on its own "node": in that node's process group
+    assert [os.getpgid(m.pid) for m in metas] == wide["nodes"]
     manifest = wide["d"].manifest
     for meta in metas:
         got = {t.name: (tuple(t.shape), t.dtype) for t in meta.tensors}
