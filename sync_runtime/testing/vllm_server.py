@@ -20,7 +20,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -128,74 +127,6 @@ def serve(
     return subprocess.Popen(
         args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
     )
-
-
-class DataParallelNode(NamedTuple):
-    """One node of a data-parallel server whose engines span nodes (vLLM's multi-node DP)."""
-
-    start_rank: int
-    """Its first DP rank: 0 is the head (the API servers and its engines), others are headless."""
-    local: int
-    """DP engines on this node (`--data-parallel-size-local`)."""
-    rpc_port: int
-    """The head's DP RPC port (`--data-parallel-rpc-port`), the same on every node."""
-    address: str = "127.0.0.1"
-    """The head's address (`--data-parallel-address`)."""
-
-
-def serve_node(
-    model_dir: str,
-    port: int,
-    log: Path,
-    node: DataParallelNode,
-    *,
-    dp: int,
-    tp: int = 1,
-    expert_parallel: bool = False,
-) -> subprocess.Popen:
-    """One node of a `dp`-engine data-parallel server (`tp` workers per engine) with the weightsync
-    backend, started with vLLM's own `vllm serve` (vllm_cli: `--headless` is only there). The head serves
-    HTTP on `port` with vLLM's default number of API servers (one per DP engine in 0.32); a
-    headless node runs its engines only, which join the head's (and `port` is unused). Its own
-    process group, as `serve`'s. `expert_parallel`: the experts split over every engine of every
-    node (vLLM's wide EP)."""
-    options = serve_args(model_dir, port, tp=tp)[2:]  # without "-m <vLLM's API server module>"
-    args = [
-        sys.executable,
-        *("-m", "sync_runtime.testing.vllm_cli", "serve"),
-        *options,
-        f"--data-parallel-size={dp}",
-        f"--data-parallel-size-local={node.local}",
-        f"--data-parallel-address={node.address}",
-        f"--data-parallel-rpc-port={node.rpc_port}",
-        *([f"--data-parallel-start-rank={node.start_rank}", "--headless"] if node.start_rank else []),
-        *(["--enable-expert-parallel"] if expert_parallel else []),
-    ]
-    env = {**os.environ, **serve_env(tp, node.local)}
-    return subprocess.Popen(
-        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
-
-
-@contextlib.contextmanager
-def one_engine_per_node(
-    model_dir: str, directory: Path, *, dp: int, expert_parallel: bool = False
-) -> Iterator[tuple[Server, list[subprocess.Popen]]]:
-    """A `dp`-engine data-parallel server over `dp` "nodes" of one engine each (TP 1), all on
-    this machine: the head (yielded as the Server: its URL serves HTTP; logs `head.log` in
-    `directory`) and the headless nodes (`node-{r}.log`), every node's processes in a process
-    group of its own (yielded too, head first). Every node is stopped on exit."""
-    port, rpc_port = free_port(), free_port()
-    nodes: list[subprocess.Popen] = []
-    try:
-        for rank in range(dp):
-            log = directory / ("head.log" if rank == 0 else f"node-{rank}.log")
-            node = DataParallelNode(rank, 1, rpc_port)
-            nodes.append(serve_node(model_dir, port, log, node, dp=dp, expert_parallel=expert_parallel))
-        yield Server(f"http://127.0.0.1:{port}", nodes[0], directory / "head.log"), nodes
-    finally:
-        for proc in reversed(nodes):
-            stop(proc)
 
 
 def stop(proc: subprocess.Popen, *, kill: bool = False) -> None:

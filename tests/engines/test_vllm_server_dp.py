@@ -41,7 +41,8 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.vllm_models import PROMPTS
-from sync_runtime.testing.vllm_server import generate, one_engine_per_node, per_dp_rank
+from sync_runtime.testing.vllm_server import generate, per_dp_rank
+from sync_runtime.testing.vllm_server_nodes import one_engine_per_node
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
 from tests.support.vllm_server import attached
 

@@ -3,7 +3,7 @@ destination: one replica of two ranks, the experts split over both DP engines, o
 
 The tiny Qwen3-MoE (8 experts) served with dummy weights and the weightsync backend, as a
 multi-node deployment starts it (`one_engine_per_node`: vLLM's own `vllm serve` command, a head
-with DP rank 0 and its API servers, a headless node with DP rank 1, two process trees meeting at
+with DP rank 0 and its API server, a headless node with DP rank 1, two process trees meeting at
 127.0.0.1), attached through one proxy on the head's URL (`VllmEngineRanks(HttpControl(url))`) and declared
 `tp=1,dp=2,ep=2`: each worker reports replica 0, its DP rank and vLLM's EP rank (dp_rank * tp +
 tp_rank), and holds experts [4*ep_rank, 4*ep_rank + 4) (vLLM's linear placement) plus the whole
@@ -56,10 +56,10 @@ from sync_runtime.testing.vllm_server import (
     Server,
     data_parallel_args,
     launch,
-    one_engine_per_node,
     serve_args,
     serve_env,
 )
+from sync_runtime.testing.vllm_server_nodes import one_engine_per_node
 from tests.support.vllm_deploy import deploy, destination_ref, sync_spec
 from tests.support.vllm_server import attached
 from tests.support.wide_ep_control import UnpausedHttpControl
@@ -124,7 +124,9 @@ def wide(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             oracle_key(model_dir), lambda: compute_oracle(model_dir, directory / "oracle.log")
         )
         print(f"wide-EP oracle: {ref.status}")
-        nodes = one_engine_per_node(model_dir, directory, dp=DP, expert_parallel=True)
+        # one API server, in the head's process: this server answers the proxy only (the two API
+        # servers of vLLM's default, and generation through them: test_vllm_server_dp.py)
+        nodes = one_engine_per_node(model_dir, directory, dp=DP, expert_parallel=True, api_servers=1)
         with (
             nodes as (server, procs),
             attached(server, "wide-r0000", NS, ranks=DP, control=UnpausedHttpControl) as (url, ranks),
