@@ -122,10 +122,18 @@ def serve(
         *serve_args(model_dir, port, **kw),
         *data_parallel_args(dp, expert_parallel=expert_parallel),
     ]
-    env = {**os.environ, **serve_env(tp, dp)}
-    # its own session: stop() ends the API server, its engine core and its workers together
+    return start_group(args, serve_env(tp, dp), log)
+
+
+def start_group(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """`args` with `env` over this process's environment, output to `log`, in a session (process
+    group) of its own: stop() ends the API server, its engine core and its workers together."""
     return subprocess.Popen(
-        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
+        args,
+        env={**os.environ, **env},
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 

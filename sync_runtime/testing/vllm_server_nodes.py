@@ -9,14 +9,13 @@ backend. Used by tests/engines/test_vllm_server_dp.py and test_vllm_server_wide_
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from sync_runtime.testing.vllm_server import Server, free_port, serve_args, serve_env, stop
+from sync_runtime.testing.vllm_server import Server, free_port, serve_args, serve_env, start_group, stop
 
 
 class DataParallelNode(NamedTuple):
@@ -64,14 +63,7 @@ def serve_node(
         *(["--enable-expert-parallel"] if expert_parallel else []),
         *([f"--api-server-count={api_servers}"] if api_servers and not node.start_rank else []),
     ]
-    # `vllm serve` asks for spawned children (its CLI sets VLLM_WORKER_MULTIPROC_METHOD=spawn
-    # when unset); vLLM's API server module, which the other servers here run, forks them (its
-    # default). Forked here too, as there: each spawned child imports torch and vLLM again (about
-    # 10 CPU-s each). vLLM spawns the head's API servers whatever this says.
-    env = {**os.environ, **serve_env(tp, node.local), "VLLM_WORKER_MULTIPROC_METHOD": "fork"}
-    return subprocess.Popen(
-        args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    return start_group(args, serve_env(tp, node.local), log)
 
 
 @contextlib.contextmanager
@@ -91,11 +83,10 @@ def one_engine_per_node(
     port, rpc_port = free_port(), free_port()
     nodes: list[subprocess.Popen] = []
     try:
+        options = {"dp": dp, "expert_parallel": expert_parallel, "api_servers": api_servers}
         for rank in range(dp):
             log = directory / ("head.log" if rank == 0 else f"node-{rank}.log")
-            node = DataParallelNode(rank, 1, rpc_port)
-            options = {"expert_parallel": expert_parallel, "api_servers": api_servers}
-            nodes.append(serve_node(model_dir, port, log, node, dp=dp, **options))
+            nodes.append(serve_node(model_dir, port, log, DataParallelNode(rank, 1, rpc_port), **options))
         yield Server(f"http://127.0.0.1:{port}", nodes[0], directory / "head.log"), nodes
     finally:
         for proc in reversed(nodes):
