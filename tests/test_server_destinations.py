@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import ray
 from weightsync_operator.replicas import replica_statuses
 
+from sync_runtime.engines import vllm_servers
 from sync_runtime.engines.vllm_servers import ServerAttacher, proxy_prefix
 from sync_runtime.errors import DiscoveryError, Reason
 from sync_runtime.kube.pods import (
@@ -158,6 +161,48 @@ def test_attacher_refuses_a_missing_replica_before_attaching_anything() -> None:
         attacher(spec().destinations[0])
     assert listed == [("team-a", {"app": "vllm", "model": "qwen"})]
     assert not attacher._proxies.get("rollout")  # nothing attached
+
+
+def test_the_attacher_starts_every_new_proxy_before_waiting_for_any(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a proxy's start is a Ray worker importing torch, then init_weight_transfer_engine on the
+    # server's workers: N new pods must cost one start, not N in a row
+    events: list[tuple[str, str]] = []
+    killed: list[str] = []
+
+    class Server:
+        def __init__(self, url: str) -> None:
+            self.url = url
+
+        def world_size(self) -> int:
+            return 1
+
+        def data_parallel_size(self) -> int:
+            return 1
+
+    def attach(name: str, namespace: str, control: Any, *, replica: int, pause: str, ranks: int) -> Any:
+        events.append(("start", control.url))
+        metas = [SimpleNamespace(coord=SimpleNamespace(replica=replica))]
+
+        def meta() -> list[Any]:
+            events.append(("wait", control.url))
+            if control.url.startswith("http://10.0.0.2:"):
+                raise ray.exceptions.GetTimeoutError("no answer")
+            return metas
+
+        return SimpleNamespace(ws_meta=SimpleNamespace(remote=lambda: meta))
+
+    monkeypatch.setattr(vllm_servers, "HttpControl", Server)
+    monkeypatch.setattr(vllm_servers, "attach", attach)
+    monkeypatch.setattr(vllm_servers, "_kill", lambda entry: killed.append(entry[0]))
+    monkeypatch.setattr(vllm_servers.ray, "get", lambda call, timeout=None: call())
+    pods = [pod(f"vllm-{i}", ip=f"10.0.0.{i + 1}") for i in range(3)]
+    attacher = ServerAttacher("team-a", "policy", list_pods=lambda ns, labels: pods)
+    with pytest.raises(DiscoveryError, match=r"vllm-1 .* the weightsync backend did not start"):
+        attacher(spec(parallelism={"replicas": 3}).destinations[0])
+    urls = [f"http://10.0.0.{i + 1}:8000" for i in range(3)]
+    assert events == [("start", u) for u in urls] + [("wait", u) for u in urls]
+    assert len(killed) == 1 and ".vllm-1." in killed[0]  # the failed pod's proxy only
+    assert sorted(r for _, _, r in attacher._proxies["rollout"]) == [0, 2]  # kept for the next sync
 
 
 def test_proxy_prefixes_never_nest() -> None:

@@ -62,11 +62,14 @@ def spec_with(pause: str | None, port: int = 8000) -> WeightSyncSpec:
 def attacher(monkeypatch: pytest.MonkeyPatch) -> tuple[ServerAttacher, list[StandInProxy]]:
     attached: list[StandInProxy] = []
 
-    def attach(self: ServerAttacher, dest: DeploymentRef, endpoint: Any, prefix: str) -> tuple[str, Any]:
+    def start(self: ServerAttacher, dest: DeploymentRef, endpoint: Any, prefix: str) -> tuple[str, Any]:
         attached.append(StandInProxy(dest.pause_mode))
         return f"{prefix}{endpoint.pod}", attached[-1]
 
-    monkeypatch.setattr(ServerAttacher, "_attach", attach)
+    monkeypatch.setattr(ServerAttacher, "_start", start)
+    monkeypatch.setattr(
+        ServerAttacher, "_check_attached", lambda self, dest, endpoint, handle, deadline: None
+    )
     monkeypatch.setattr(vllm_servers.ray, "get", lambda call, timeout=None: call())
     pod = ServerPod(name="vllm-0", uid="uid-0", ip="10.1.0.5", ready=True)
     return ServerAttacher("ns", "policy", list_pods=lambda ns, labels: [pod]), attached

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ from sync_runtime.errors import (
     DiscoveryError,
     ParticipantDied,
     TopologyMismatchError,
+    WeightSyncError,
     describe_unexpected,
 )
 from sync_runtime.kube.pods import (
@@ -48,6 +50,9 @@ from sync_runtime.schema.crd import DeploymentRef
 log = logging.getLogger("weightsync.servers")
 ATTACH_TIMEOUT_S = 300.0
 """A new proxy's setup: `init_weight_transfer_engine` on every worker of its server."""
+
+ATTACH_ERRORS = (DiscoveryError, TopologyMismatchError)
+"""What attaching one server pod raises (naming the pod)."""
 
 PodLister = Callable[[str, Mapping[str, str]], Sequence[ServerPod]]
 
@@ -90,6 +95,7 @@ class ServerAttacher:
             self._modes.pop(held[key][0], None)
             _kill(held.pop(key))
         prefix = proxy_prefix(self.weightsync, ref.name)
+        new: list[ServerEndpoint] = []
         for e in found:
             key = e.instance
             if key in held and _alive(held[key][1]):
@@ -97,8 +103,13 @@ class ServerAttacher:
                 continue
             if key in held:
                 _kill(held.pop(key))
-            held[key] = self._attach(ref, e, prefix)
-            self._modes[held[key][0]] = ref.pause_mode
+            new.append(e)
+        attached, failure = self._attach_all(ref, new, prefix)
+        for e, entry in attached:
+            held[e.instance] = entry
+            self._modes[entry[0]] = ref.pause_mode
+        if failure is not None:
+            raise failure
         return prefix
 
     def _keep_pause_mode(self, entry: tuple[str, Any], mode: str) -> None:
@@ -122,43 +133,80 @@ class ServerAttacher:
         self._proxies.clear()
         self._modes.clear()
 
-    def _attach(self, ref: DeploymentRef, e: ServerEndpoint, prefix: str) -> tuple[str, Any]:
-        where = f"deployment {ref.name!r}: vLLM server pod {e.pod} ({e.url})"
+    def _attach_all(
+        self, ref: DeploymentRef, endpoints: Sequence[ServerEndpoint], prefix: str
+    ) -> tuple[list[tuple[ServerEndpoint, tuple[str, Any]]], WeightSyncError | None]:
+        """Attach a proxy to each of `endpoints` at once: every proxy is started before any is
+        waited for, so a destination of N new pods costs one proxy start (a Ray worker that
+        imports torch, then `init_weight_transfer_engine` on the server's workers), not N in a
+        row. Returns the proxies that attached and the first failure in pod order (a failed
+        pod's proxy is killed; the others are kept for the next sync)."""
+        started: list[tuple[ServerEndpoint, str, Any]] = []
+        failure: WeightSyncError | None = None
+        for e in endpoints:
+            try:
+                started.append((e, *self._start(ref, e, prefix)))
+            except ATTACH_ERRORS as err:
+                failure = failure or err
+        attached: list[tuple[ServerEndpoint, tuple[str, Any]]] = []
+        deadline = time.monotonic() + self._timeout_s
+        for e, name, handle in started:
+            try:
+                self._check_attached(ref, e, handle, deadline)
+            except ATTACH_ERRORS as err:
+                _kill((name, handle))
+                failure = failure or err
+                continue
+            attached.append((e, (name, handle)))
+        return attached, failure
+
+    def _start(self, ref: DeploymentRef, e: ServerEndpoint, prefix: str) -> tuple[str, Any]:
+        """Check one server's world size over HTTP and start its proxy (not waited for)."""
         control = HttpControl(e.url)
         try:
             world, server_dp = control.world_size(), control.data_parallel_size()
         except (DestinationError, ParticipantDied) as err:  # no answer, or the connection broke
-            raise DiscoveryError(f"{where}: {err.message}") from err
-        p, dp = ref.parallelism, ref.vllm_servers.data_parallel_size if ref.vllm_servers else 1
+            raise DiscoveryError(f"{_where(ref, e)}: {err.message}") from err
+        p, dp = ref.parallelism, _server_dp(ref)
         problem = world_size_problem(ref.name, e.pod, world, p.tp, p.pp, dp, server_dp)
         if problem is not None:
             raise TopologyMismatchError(problem)
         name = f"{prefix}{e.replica:04d}.{e.pod}.{e.uid[:8]}.{e.restarts}"
         # a data-parallel server's DP engines are replicas e.replica*dp .. +dp-1 (one proxy each
         # server); a wide-EP server is one replica, e.replica
-        wide = wide_ep(ref)
-        first = e.replica if wide else e.replica * dp
+        first = e.replica if wide_ep(ref) else e.replica * dp
         handle = attach(name, ref.ray_namespace, control, replica=first, pause=ref.pause_mode, ranks=world)
+        return name, handle
+
+    def _check_attached(self, ref: DeploymentRef, e: ServerEndpoint, handle: Any, deadline: float) -> None:
+        """Wait for one started proxy's ranks and check its DP engines' layout."""
         try:  # the proxy's constructor runs init_weight_transfer_engine on every worker
-            metas = ray.get(handle.ws_meta.remote(), timeout=self._timeout_s)
+            metas = ray.get(handle.ws_meta.remote(), timeout=max(deadline - time.monotonic(), 1.0))
         except ray.exceptions.RayError as err:
-            _kill((name, handle))
             raise DiscoveryError(
-                f"{where}: the weightsync backend did not start: {describe_unexpected(err)}"
+                f"{_where(ref, e)}: the weightsync backend did not start: {describe_unexpected(err)}"
             ) from err
-        problem = expert_layout_problem(ref.name, e.pod, dp, wide, len({m.coord.replica for m in metas}))
+        dp = _server_dp(ref)
+        replicas = len({m.coord.replica for m in metas})
+        problem = expert_layout_problem(ref.name, e.pod, dp, wide_ep(ref), replicas)
         if problem is not None:
-            _kill((name, handle))
             raise TopologyMismatchError(problem)
         log.info(
             "attached %s (replica %d, %d worker(s), dp %d, pause %s)",
             e.pod,
             e.replica,
-            world,
+            len(metas),
             dp,
             ref.pause_mode,
         )
-        return name, handle
+
+
+def _where(ref: DeploymentRef, e: ServerEndpoint) -> str:
+    return f"deployment {ref.name!r}: vLLM server pod {e.pod} ({e.url})"
+
+
+def _server_dp(ref: DeploymentRef) -> int:
+    return ref.vllm_servers.data_parallel_size if ref.vllm_servers else 1
 
 
 def wide_ep(ref: DeploymentRef) -> bool:
