@@ -27,6 +27,7 @@ from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
 from sync_runtime.engines.vllm_ranks import VllmEngineRanks, check_replicas
 from sync_runtime.errors import DiscoveryError, TopologyMismatchError
 from sync_runtime.kube.pods import ServerPod, replica_count_problem, world_size_problem
+from sync_runtime.runtime import commit
 from sync_runtime.runtime.commit import Dest, engines_of, replica_failure
 from sync_runtime.runtime.discovery import RankHandle
 from sync_runtime.schema.crd import MSG_SERVERS_DP, spec_problems
@@ -242,3 +243,38 @@ def test_a_replica_held_paused_by_its_server_says_so() -> None:
         "rollout replica 0: ranks on ['v2'], but their engine did not resume, "
         "rollout replica 1: ranks on ['v1', None]"
     ), failure.message
+
+
+def test_a_failed_transfers_stuck_ranks_keep_their_replica_reported_and_out_of_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A DP server whose remote node died mid-transfer: the head's calls for its DP ranks wait on
+    # the dead engine, so the coordinator does not ask those ranks (their calls would queue
+    # behind the stuck ws_run). Their replicas are still reported, out of serving, and a replica
+    # with one stuck rank is not judged (or resumed) by its other ranks' answers.
+    asked: list[tuple[str, str]] = []
+
+    def call_each(calls: list[tuple[Any, str, tuple]], timeout_s: float) -> list[Any]:
+        asked.extend((p.name, m) for p, m, _ in calls)
+        return [
+            SimpleNamespace(version="v1", poisoned=False) if m == "ws_txn_state" else True
+            for _, m, _ in calls
+        ]
+
+    def dest(rank: int, replica: int) -> Dest:
+        meta = SimpleNamespace(coord=SimpleNamespace(replica=replica))
+        return Dest(rank, SimpleNamespace(handle=object(), name=f"r{rank}", meta=meta), "rollout")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(commit, "call_each", call_each)
+    dests = [dest(2, 0), dest(3, 0), dest(4, 1), dest(5, 2)]
+    replicas = commit.settle(dests, 10.0, unanswered=frozenset({3, 5}))
+    assert asked == [("r2", "ws_txn_state"), ("r4", "ws_txn_state"), ("r4", "ws_resume")]
+    got = [(r.replica, r.state, r.version, r.rank_versions) for r in replicas]
+    assert got == [
+        (0, ReplicaState.DEGRADED, None, ["v1", None]),
+        (1, ReplicaState.SERVING, "v1", ["v1"]),
+        (2, ReplicaState.DEGRADED, None, [None]),
+    ]
+    # control: asked, the same ranks make every replica serve
+    asked.clear()
+    assert all(r.state is ReplicaState.SERVING for r in commit.settle(dests, 10.0))

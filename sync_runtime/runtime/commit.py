@@ -153,13 +153,22 @@ def two_phase_commit(
     return out, replica_failure(out)
 
 
-def settle(dests: Sequence[Dest], timeout_s: float) -> list[ReplicaVersion]:
+def settle(
+    dests: Sequence[Dest], timeout_s: float, unanswered: frozenset[int] = frozenset()
+) -> list[ReplicaVersion]:
     """Each replica's state; resumes those whose ranks all hold one complete version (new, or
     old when none of its ranks could apply the new one); the others stay paused. The resumes go
     out together: an engine that serves several replicas (a data-parallel server) answers for
-    all its ranks at once, and resumes only when every one holds the same version."""
-    states = call_each([(d.p, "ws_txn_state", ()) for d in dests], timeout_s)
-    by_rank = {d.rank: s for d, s in zip(dests, states, strict=True)}
+    all its ranks at once, and resumes only when every one holds the same version.
+    `unanswered`: ranks not asked (still inside a failed transfer, which a call would queue
+    behind); each counts as a rank that did not answer, so its replica is still reported (out
+    of serving, its version unknown) rather than left out or judged by its other ranks."""
+    asked = [d for d in dests if d.rank not in unanswered]
+    states = call_each([(d.p, "ws_txn_state", ()) for d in asked], timeout_s)
+    by_rank: dict[int, Any] = {d.rank: s for d, s in zip(asked, states, strict=True)}
+    for d in dests:
+        if d.rank in unanswered:
+            by_rank[d.rank] = MixedVersions(f"{d.p.name}: still in the failed transfer, not asked")
     replicas = replicas_of(dests)
     got = {k: [by_rank[d.rank] for d in m] for k, m in replicas.items()}
     versions = {k: [None if isinstance(s, Exception) else s.version for s in g] for k, g in got.items()}

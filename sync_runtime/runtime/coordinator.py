@@ -309,7 +309,9 @@ class Coordinator:
     def _abort_all(self, session: Session, att: _Attempt, skip: frozenset[int] = frozenset()) -> None:
         """Drop staging on every destination that answers, then report each replica (an in-place
         one is poisoned now). A rank still stuck in ws_run is not waited for: it never commits by
-        itself (only after a commit decision), and the failure flag ends its run."""
+        itself (only after a commit decision), and the failure flag ends its run; its replica is
+        reported out of serving, its version unknown (e.g. a data-parallel server whose remote
+        node died: the head's call for every DP rank waits on the dead engine)."""
         dst = [
             p
             for rank, p in enumerate(session.participants)
@@ -323,8 +325,7 @@ class Coordinator:
             step=SyncStep.COMMIT,
             raise_on_error=False,
         )
-        answering = [d for d in att.dests if d.rank not in skip]
-        att.replicas = settle(answering, self._rpc_timeout())
+        att.replicas = settle(att.dests, self._rpc_timeout(), unanswered=skip)
 
     def _invalidate_group(self) -> None:
         if self._session is not None:
