@@ -10,7 +10,8 @@ test knows when every source is there; the gate stays closed while its file exis
 `max_wait_s`, so that a test that never opens it cannot hang the sources).
 
 `messages_to` counts the messages a rank receives in one round (a rank reports its progress
-per completed message, so a test that reads a receiver's progress must know how many).
+per completed message, so a test that reads a receiver's progress must know how many);
+`wait_received` reads that progress from the running sync's store.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 import ray
 
 from sync_runtime.core.plan import SyncPlan
+from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.transfer import EngineHooks, TransferConfig
 from sync_runtime.transfer.buffers import message_layout
 
@@ -93,3 +95,23 @@ def messages_to(plan: SyncPlan, rank: int, round_index: int) -> int:
     direct_min = TransferConfig().direct_min_bytes
     buckets = [b for b in plan.rounds[round_index].buckets if b.dst_rank == rank]
     return sum(message_layout(b, direct_min).count for b in buckets)
+
+
+def received_bytes(coordinator: Coordinator, rank: int) -> int:
+    """The bytes `rank` (a destination: it sends none) reported received in the running sync: its
+    progress key in the coordinator's store (runtime/drive.py). A rank writes it on its first
+    completed message, then at most every PROGRESS_INTERVAL_S (runtime/participant_txn.py)."""
+    session, store = coordinator.session, coordinator._store
+    assert session is not None and store is not None
+    key = f"{session.group_name}/progress/{rank}"
+    if not store.check([key]):
+        return 0
+    return int(bytes(store.get(key)).decode().partition("/")[0])
+
+
+def wait_received(coordinator: Coordinator, rank: int, nbytes: int, timeout_s: float) -> int:
+    """Until `rank` reported `nbytes` received (or the timeout); what it reported."""
+    deadline = time.monotonic() + timeout_s
+    while (got := received_bytes(coordinator, rank)) < nbytes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got

@@ -290,15 +290,18 @@ class Client(threading.Thread):
     """Sends generations one after another until stopped; counts failures and versions seen.
 
     `completions=True`: every other request goes through `/v1/completions` (the others through
-    `/inference/v1/generate`, whose answers carry the weight versions). `spans` holds each
+    `/inference/v1/generate`, whose answers carry the weight versions). `dp_rank`: every
+    generation on that DP engine of a data-parallel server. `spans` holds each
     request's (start, end) in `time.monotonic()` seconds."""
 
-    def __init__(self, url: str, interval_s: float = 0.1, *, completions: bool = False) -> None:
+    def __init__(
+        self, url: str, interval_s: float = 0.1, *, completions: bool = False, dp_rank: int | None = None
+    ) -> None:
         super().__init__(daemon=True)
         # a pause between requests: back to back, the server's OpenMP threads starve every other
         # process on a 2-core machine (a restarting server took minutes to start)
         self.url, self.stop, self.interval_s = url, threading.Event(), interval_s
-        self.completions = completions
+        self.completions, self.dp_rank = completions, dp_rank
         self.syncing = threading.Event()
         self.requests = self.failed = self.during_sync = 0
         self.versions: set[str] = set()
@@ -324,6 +327,6 @@ class Client(threading.Thread):
         prompt = PROMPTS[i % len(PROMPTS)]
         if self.completions and i % 2 == 0:
             return complete(self.url, prompt)
-        _, versions = generate(self.url, prompt)
+        _, versions = generate(self.url, prompt, dp_rank=self.dp_rank)
         self.versions.update(versions)
         return versions

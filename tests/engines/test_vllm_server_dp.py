@@ -20,28 +20,38 @@ before the sync and a scrambled push differ on both, and a resync restores both.
 pauses the server once per sync and applies both replicas inside that one pause (runtime/commit
 `engines_of`).
 A declared DP other than the server's is named before any byte moves (the attacher's check, on
-the real server's world sizes). One node with both DP engines: the Kubernetes e2e's last test
-(tests/e2e/test_vllm_e2e.py); wide EP (the DP engines one replica): test_vllm_server_wide_ep.py.
+the real server's world sizes). The last test kills the headless node mid-transfer: the sync
+fails in the transfer naming the dead worker, both replicas are reported out of serving (vLLM's
+head waits on the dead engine for every DP rank's call, so neither rank answers), and the head's
+engine, never paused, still serves v1 bit for bit with no failed request. One node with both DP
+engines: the Kubernetes e2e's last test (tests/e2e/test_vllm_e2e.py); wide EP (the DP engines
+one replica): test_vllm_server_wide_ep.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
 import ray
 
-from sync_runtime.core.topology import ParallelSpec
+from sync_runtime.core.topology import ParallelSpec, Role
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.kube.pods import world_size_problem
 from sync_runtime.runtime.coordinator import Coordinator
-from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult
+from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult, SyncStep
 from sync_runtime.testing.cluster import train_step
+from sync_runtime.testing.transfer_gate import SourceGate, wait_received
 from sync_runtime.testing.vllm_models import PROMPTS
-from sync_runtime.testing.vllm_server import generate, per_dp_rank
+from sync_runtime.testing.vllm_server import Client, generate, per_dp_rank
 from sync_runtime.testing.vllm_server_nodes import one_engine_per_node
 from tests.support.vllm_deploy import deploy, destination_ref, rows_equal, sync_spec
 from tests.support.vllm_server import attached
@@ -51,6 +61,8 @@ NS = "vllm-server-dp"
 DP = 2
 DST = ParallelSpec.parse(f"tp=1,replicas={DP}")
 """Each DP rank is a replica: the destination declares DP x (servers) replicas."""
+TIMEOUT_S = 45
+"""The killed-node trial's transferTimeoutSeconds: the sources wait at most this long parked."""
 
 
 def outputs_carry_versions() -> bool:
@@ -149,3 +161,72 @@ def test_every_dp_rank_generates_as_the_checkpoint_after_the_sync(dp_server: dic
     assert versions == ([["v1"]] if outputs_carry_versions() else [[]]) * DP, versions
     assert HttpControl(url).version() == "v1-again"
     assert len(pauses) == 3 and all(0 < p < 60 for p in pauses)  # one pause per sync, not per replica
+
+
+def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_version(
+    dp_server: dict[str, Any], tmp_path: Path
+) -> None:
+    """Last in the module: it ends the headless node (docs/vllm.md, "A node of such a server
+    dies"). The sources are parked after round 0, and once DP rank 1's worker reported its round-0
+    bytes its node's process group is SIGKILLed. vLLM's head does not notice a remote engine's
+    death: its calls for every DP rank wait on the dead one, so the proxy's ranks stay in their
+    transfer."""
+    url, ref, d = dp_server["url"], dp_server["ref"], dp_server["d"]
+    setup = d.setup
+    # 1 MiB buckets, 2 MiB staging budget: three rounds, each with bytes for DP rank 1. The sync
+    # ends once the transfer timeout has passed: the ranks behind the head never answer again
+    small = {"bucket_mb": 1, "staging_budget_mb": 2, "delta": "off", "transfer_timeout_seconds": TIMEOUT_S}
+    spec = sync_spec(setup.model, NS, setup.src, dp_server["dst"], "v1", **small)
+    coordinator = Coordinator(spec, NullReporter(), manifest=d.manifest)
+    sources = [h for _, h in find_actors(NS, setup.src_prefix)]
+    client = Client(url, dp_rank=0)  # the head's own engine: its clients must see no error
+    gate, pool = None, ThreadPoolExecutor(1)
+    try:
+        _synced(coordinator, "v1")
+        client.start()
+        train_step(dataclasses.replace(setup, seed=99), "scrambled")
+        gate = SourceGate(sources, tmp_path, round_index=1)
+        running = pool.submit(coordinator.sync, "v2")
+        gate.wait_parked(timeout_s=300, unless=running.done)  # round 0 sent, round 1 not begun
+        session = coordinator.session
+        assert session is not None
+        victim = next(
+            r
+            for r, p in enumerate(session.participants)
+            if p.meta.role is Role.DESTINATION and p.meta.coord.replica == 1
+        )
+        to_victim = [sum(b.nbytes for b in r.buckets if b.dst_rank == victim) for r in session.plan.rounds]
+        received = wait_received(coordinator, victim, to_victim[0], timeout_s=60)
+        os.killpg(dp_server["nodes"][1], signal.SIGKILL)
+        gate.open()
+        started = time.monotonic()
+        report = running.result(timeout=300)
+        failed_in = time.monotonic() - started
+        client.stop.set()
+        client.join(120)
+        head = per_dp_rank(url, 1)[0]  # DP rank 0 only: rank 1's engine is gone
+    finally:
+        if gate is not None:
+            gate.remove()
+        pool.shutdown(wait=False, cancel_futures=True)
+        coordinator.close()
+        client.stop.set()
+        client.join(120)
+        train_step(setup, "v1")
+    print(f"headless node killed: failed in {failed_in:.1f} s: {report.failure}")
+    print("replicas:", [(r.replica, r.state.value, r.rank_versions) for r in report.replicas])
+    assert to_victim[0] > 0 and to_victim[1] > 0 and received == to_victim[0], (to_victim, received)
+    assert report.result is SyncResult.FAILED and report.failure is not None
+    assert report.failure.step is SyncStep.TRANSFER, report.failure
+    assert victim in (report.failure.rank, report.failure.peer), report.failure  # the dead worker
+    assert report.moved_bytes == 0 and report.stages.commit == 0.0  # no commit phase ran
+    assert failed_in < 3 * TIMEOUT_S  # bounded by the transfer timeout, not vLLM's (none)
+    # Every replica is named, out of serving, version unknown: their ranks never answered
+    assert [(r.replica, r.state, r.version) for r in report.replicas] == [
+        (k, ReplicaState.DEGRADED, None) for k in range(DP)
+    ]
+    # Nothing was applied: the head's engine, never paused, generates v1 bit for bit (a commit of
+    # the scrambled weights would show: the scrambled push differs, see the test above)
+    assert head == ref
+    assert client.failed == 0 and client.requests > 0, client.errors[:3]
+    assert "v2" not in client.versions

@@ -46,7 +46,7 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncResult, SyncStep
 from sync_runtime.testing.cluster import train_step
-from sync_runtime.testing.transfer_gate import SourceGate, messages_to
+from sync_runtime.testing.transfer_gate import SourceGate, messages_to, wait_received
 from sync_runtime.testing.vllm_models import PROMPTS
 from tests.support import shared_server
 from tests.support.vllm_deploy import destination_ref, sync_spec
@@ -173,26 +173,6 @@ def test_killed_during_its_apply_then_restarted(fleet: dict[str, Any]) -> None:
     assert client.failed == 0, client.errors[:3]
     assert client.requests > 0
     assert [HttpControl(servers.url(k)).version() for k in (0, 1)] == ["v1-again", "v1-again"]
-
-
-def received_bytes(coordinator: Coordinator, rank: int) -> int:
-    """The bytes `rank` (a destination: it sends none) reported received in the running sync: its
-    progress key in the coordinator's store (runtime/drive.py). A rank writes it on its first
-    completed message, then at most every PROGRESS_INTERVAL_S (runtime/participant_txn.py)."""
-    session, store = coordinator.session, coordinator._store
-    assert session is not None and store is not None
-    key = f"{session.group_name}/progress/{rank}"
-    if not store.check([key]):
-        return 0
-    return int(bytes(store.get(key)).decode().partition("/")[0])
-
-
-def wait_received(coordinator: Coordinator, rank: int, nbytes: int, timeout_s: float) -> int:
-    """Until `rank` reported `nbytes` received (or the timeout); what it reported."""
-    deadline = time.monotonic() + timeout_s
-    while (got := received_bytes(coordinator, rank)) < nbytes and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return got
 
 
 def test_killed_during_the_transfer_then_synced_without_it(fleet: dict[str, Any], tmp_path: Path) -> None:
