@@ -61,7 +61,7 @@ NS = "vllm-server-dp"
 DP = 2
 DST = ParallelSpec.parse(f"tp=1,replicas={DP}")
 """Each DP rank is a replica: the destination declares DP x (servers) replicas."""
-TIMEOUT_S = 45
+TIMEOUT_S = 25
 """The killed-node trial's transferTimeoutSeconds: the sources wait at most this long parked."""
 
 
