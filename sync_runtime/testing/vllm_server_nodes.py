@@ -31,6 +31,40 @@ class DataParallelNode(NamedTuple):
     """The head's address (`--data-parallel-address`)."""
 
 
+def node_args(
+    model_dir: str,
+    port: int,
+    node: DataParallelNode,
+    *,
+    dp: int,
+    tp: int = 1,
+    expert_parallel: bool = False,
+    api_servers: int | None = None,
+    max_model_len: int = 128,
+) -> list[str]:
+    """The Python arguments (after the interpreter) of one node of a `dp`-engine data-parallel
+    server (`tp` workers per engine) with the weightsync backend: vLLM's own `vllm serve`
+    (vllm_cli: `--headless` is only there). The head serves HTTP on `port` with vLLM's default
+    number of API servers (one per DP engine in 0.32); a headless node runs its engines only,
+    which join the head's (and `port` is unused). `expert_parallel`: the experts split over every
+    engine of every node (vLLM's wide EP). `api_servers`: the head's `--api-server-count` (None:
+    vLLM's default; 1 runs it in the head's own process, each more is a spawned process of its
+    own, about 12 CPU-s of imports here). Also the command of the Kubernetes e2e's node pods."""
+    # without "-m <vLLM's API server module>"
+    options = serve_args(model_dir, port, tp=tp, max_model_len=max_model_len)[2:]
+    return [
+        *("-m", "sync_runtime.testing.vllm_cli", "serve"),
+        *options,
+        f"--data-parallel-size={dp}",
+        f"--data-parallel-size-local={node.local}",
+        f"--data-parallel-address={node.address}",
+        f"--data-parallel-rpc-port={node.rpc_port}",
+        *([f"--data-parallel-start-rank={node.start_rank}", "--headless"] if node.start_rank else []),
+        *(["--enable-expert-parallel"] if expert_parallel else []),
+        *([f"--api-server-count={api_servers}"] if api_servers and not node.start_rank else []),
+    ]
+
+
 def serve_node(
     model_dir: str,
     port: int,
@@ -42,28 +76,12 @@ def serve_node(
     expert_parallel: bool = False,
     api_servers: int | None = None,
 ) -> subprocess.Popen:
-    """One node of a `dp`-engine data-parallel server (`tp` workers per engine) with the weightsync
-    backend, started with vLLM's own `vllm serve` (vllm_cli: `--headless` is only there). The head serves
-    HTTP on `port` with vLLM's default number of API servers (one per DP engine in 0.32); a
-    headless node runs its engines only, which join the head's (and `port` is unused). Its own
-    process group, as `serve`'s. `expert_parallel`: the experts split over every engine of every
-    node (vLLM's wide EP). `api_servers`: the head's `--api-server-count` (None: vLLM's default;
-    1 runs it in the head's own process, each more is a spawned process of its own, about 12 CPU-s
-    of imports here)."""
-    options = serve_args(model_dir, port, tp=tp)[2:]  # without "-m <vLLM's API server module>"
-    args = [
-        sys.executable,
-        *("-m", "sync_runtime.testing.vllm_cli", "serve"),
-        *options,
-        f"--data-parallel-size={dp}",
-        f"--data-parallel-size-local={node.local}",
-        f"--data-parallel-address={node.address}",
-        f"--data-parallel-rpc-port={node.rpc_port}",
-        *([f"--data-parallel-start-rank={node.start_rank}", "--headless"] if node.start_rank else []),
-        *(["--enable-expert-parallel"] if expert_parallel else []),
-        *([f"--api-server-count={api_servers}"] if api_servers and not node.start_rank else []),
-    ]
-    return start_group(args, serve_env(tp, node.local), log)
+    """One node of a data-parallel server (`node_args`), in a process group of its own, as
+    `serve`'s."""
+    options = {"dp": dp, "tp": tp, "expert_parallel": expert_parallel, "api_servers": api_servers}
+    return start_group(
+        [sys.executable, *node_args(model_dir, port, node, **options)], serve_env(tp, node.local), log
+    )
 
 
 @contextlib.contextmanager

@@ -79,7 +79,10 @@ from vllm_pods import (
     DP,
     DP_DEPLOYMENT,
     DP_LABELS,
+    DP_NODE_DEPLOYMENT,
     DP_WS,
+    HEAD_ENGINES,
+    NODE_LABELS,
     NS,
     RAY_NS,
     REPLICAS,
@@ -88,6 +91,7 @@ from vllm_pods import (
     TP,
     WS,
     ReadyWatch,
+    data_parallel_server,
     deployment,
     manifest,
     server_pods,
@@ -208,7 +212,7 @@ def _remove(kubectl: Any, weightsyncs: tuple[str, ...], deployments: tuple[str, 
 
 
 def _teardown(kubectl: Any, helm: Any, ray_cluster: RayCluster, installed: bool) -> None:
-    _remove(kubectl, (WS, DP_WS), (DEPLOYMENT, DP_DEPLOYMENT))
+    _remove(kubectl, (WS, DP_WS), (DEPLOYMENT, DP_DEPLOYMENT, DP_NODE_DEPLOYMENT))
     if installed:
         helm("uninstall", RELEASE, "-n", NS, "--wait", check=False, timeout=120)
     kubectl("delete", "namespace", NS, "--wait=false", check=False)
@@ -496,32 +500,37 @@ def test_kubectl_patch_back_to_v1_restores_it_while_serving(stack: Stack, kubect
     stack.seconds["patch v1: short requests cut"] = [load.client.aborted for load in served.loads]
 
 
-def test_a_data_parallel_server_pod_is_two_replicas_paused_once(
-    stack: Stack, ray_cluster: RayCluster, kubectl: Any, tmp_path: Path
+def test_a_data_parallel_server_over_two_pods_is_three_replicas_paused_once(
+    stack: Stack, ray_cluster: RayCluster, kubectl: Any, node_agent: Any, tmp_path: Path
 ) -> None:
-    """A second Deployment: one pod whose `vllm serve --data-parallel-size 2` runs two DP engines,
-    selected by a second WeightSync with `vllmServers.dataParallelSize: 2`, so the one pod is
-    replicas 0 and 1. kubectl apply at v1 (the sources hold v1 again) -> Synced; the status shows
-    both replicas Serving v1 with the same pause seconds: the server's one pause, both DP engines
-    applied inside it (runtime/commit.engines_of). Each DP engine, asked through vLLM's
-    `X-data-parallel-rank` header (its `/metrics` counters prove where each request ran),
-    generates as the v1 oracle bit for bit, and did not on its dummy weights before the sync."""
-    # The first Deployment's servers are done with: gone before the DP pod starts, so this module
+    """A data-parallel server whose three engines span two pods, as a multi-node deployment runs
+    it (vllm_pods.data_parallel_server: a head pod with DP ranks 0 and 1 and the HTTP server, and
+    a headless pod with DP rank 2), selected by a second WeightSync whose selector matches the
+    head pod only, with `vllmServers.dataParallelSize: 3` and `replicas: 3` (docs/vllm.md,
+    "Servers over several nodes"). kubectl apply at v1 (the sources hold v1 again) -> Synced; the
+    status shows every replica Serving v1 with the same pause seconds: the server's one pause,
+    all DP engines applied inside it (runtime/commit.engines_of). Each DP engine, asked through
+    vLLM's `X-data-parallel-rank` header (its `/metrics` counters prove where each request ran),
+    generates as the v1 oracle bit for bit, and did not on its dummy weights before the sync;
+    the pods' logs show which engines ran in which pod."""
+    # The first Deployment's servers are done with: gone before the DP pods start, so this module
     # never holds more than two servers' engines. With all three up beside the other lane's
     # engines, CI's 24 GiB machine passed 95% used: Ray's memory monitor killed workers (a MoE
     # test's engine in the other lane) and this module's DP sync did not finish in time.
     _remove(kubectl, (WS,), (DEPLOYMENT,))
     t0 = time.monotonic()
     model_dir = str(Path(stack.config_path).parent)
-    kubectl("apply", "-f", "-", input=json.dumps(deployment(model_dir, stack.port, dp=DP)))
+    server = data_parallel_server(model_dir, stack.port, free_port())
+    kubectl("apply", "-f", "-", input=json.dumps(server))
 
     def ready() -> dict[str, Any] | None:
         pods = server_pods(kubectl, DP_LABELS)
         found = condition(pods[0], "Ready") if len(pods) == 1 else None
         return pods[0] if found is not None and found["status"] == "True" else None
 
-    pod = wait_for("the data-parallel server pod Ready", ready, SERVER_READY_S, interval=1.0)
-    stack.timed("data-parallel server pod Ready", t0)
+    pod = wait_for("the data-parallel server's head pod Ready", ready, SERVER_READY_S, interval=1.0)
+    stack.timed("data-parallel server's head pod Ready", t0)
+    (node,) = server_pods(kubectl, NODE_LABELS)
     url = f"http://{pod['status']['podIP']}:{stack.port}"
     assert (HttpControl(url).world_size(), HttpControl(url).data_parallel_size()) == (DP * TP, DP)
     dummy = per_dp_rank(url, DP)
@@ -544,3 +553,7 @@ def test_a_data_parallel_server_pod_is_two_replicas_paused_once(
     synced = per_dp_rank(url, DP)
     assert synced == [stack.reference["v1"]] * DP  # token ids and every logprob, bit for bit
     assert all(rows_equal(rows, stack.reference["v1"]) == 0 for rows in dummy)  # negative control
+    # each DP engine ran where declared: vLLM names an engine's process EngineCore_DP<rank>
+    logs = [node_agent.logs(NS, p["metadata"]["name"]) for p in (pod, node)]
+    ran = [[k for k in range(DP) if f"EngineCore_DP{k}" in log] for log in logs]
+    assert ran == [list(range(HEAD_ENGINES)), list(range(HEAD_ENGINES, DP))], ran

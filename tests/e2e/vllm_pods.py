@@ -14,7 +14,8 @@ from typing import Any
 from helpers import condition, get_json, wait_for
 from node_agent import OWN_IP_ANNOTATION
 
-from sync_runtime.testing.vllm_server import data_parallel_args, serve_args, serve_env
+from sync_runtime.testing.vllm_server import serve_args, serve_env
+from sync_runtime.testing.vllm_server_nodes import DataParallelNode, node_args
 from tests.support.eager import EAGER_HELPERS
 
 SESSION_SITE = Path(__file__).resolve().parents[1] / "support" / "session_site"
@@ -31,9 +32,13 @@ the point is a Deployment of several pods, and two TP 1 servers start as many vL
 one TP 2 server (API server and engine core each, against API server, engine core, two workers)."""
 REPLICAS = 2
 """The Deployment's pods: each one replica of the destination, ordered by pod name."""
-DP_WS, DP_DEPLOYMENT, DP_LABELS, DP = "policy-dp", "rollout-dp", {"app": "vllm-rollout-dp"}, 2
-"""The data-parallel server: one pod whose `vllm serve --data-parallel-size 2` is two replicas,
-synced by a WeightSync of its own."""
+DP_WS, DP_DEPLOYMENT, DP_LABELS, DP = "policy-dp", "rollout-dp", {"app": "vllm-rollout-dp"}, 3
+"""The data-parallel server (`data_parallel_server`): three DP engines, three replicas, synced by
+a WeightSync of its own that selects its head pod (DP_LABELS)."""
+HEAD_ENGINES = 2
+"""DP engines in the head pod (`--data-parallel-size-local`); the headless pod runs the rest."""
+DP_NODE_DEPLOYMENT, NODE_LABELS = "rollout-dp-node", {"app": "vllm-rollout-dp-node"}
+"""The data-parallel server's headless pod (DP ranks HEAD_ENGINES..): not selected by the WeightSync."""
 MAX_MODEL_LEN = 512
 """The server's context: room for the long streamed requests of tests/e2e/vllm_client.py (the tiny
 model's positions); a greedy row's bits do not depend on it."""
@@ -69,7 +74,8 @@ def manifest(address: str, port: int, version: str, *, dp: int = 1) -> dict[str,
                     "layout": "vllm",
                     "vllmServers": servers,
                     "pause": "keep",
-                    "parallelism": {"tp": TP, "replicas": REPLICAS},  # dp == 1: pods; else DP engines
+                    # dp == 1: one replica a pod; else one a DP engine of the one server
+                    "parallelism": {"tp": TP, "replicas": REPLICAS if dp == 1 else dp},
                 }
             ],
             "transport": {
@@ -83,43 +89,71 @@ def manifest(address: str, port: int, version: str, *, dp: int = 1) -> dict[str,
     }
 
 
-def deployment(model_dir: str, port: int, *, dp: int = 1) -> dict[str, Any]:
+def deployment(model_dir: str, port: int) -> dict[str, Any]:
     """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them, each
     listening on its pod IP. The node agent runs `command` with the engine env first on PATH
     (`python` is its interpreter) and gives each pod a loopback address of its own (the
-    annotation), so that both replicas serve the same port as on a real node. `dp` 2: one pod
-    of a server with two DP engines (docs/vllm.md, "Data-parallel servers")."""
+    annotation), so that both replicas serve the same port as on a real node."""
+    args = serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN)
+    return _deployment(DEPLOYMENT, LABELS, REPLICAS, _container(args, port, local=1))
+
+
+def data_parallel_server(model_dir: str, port: int, rpc_port: int) -> dict[str, Any]:
+    """A data-parallel server whose engines span two pods, as a multi-node deployment runs it
+    (docs/vllm.md, "Servers over several nodes"): the head pod (DP ranks 0 and 1 and the HTTP
+    server, one API server, DP_LABELS: what the WeightSync selects) and a headless pod (DP rank 2,
+    its engine only, NODE_LABELS), each of vLLM's own `vllm serve` (testing/vllm_server_nodes.py):
+    a server with several engines in one pod and one over several pods at once. The headless pod
+    finds the head at 127.0.0.1, the address every pod of the node agent shares (a
+    LeaderWorkerSet hands its workers the leader's address instead). A List of two Deployments."""
+    nodes = (
+        (DP_DEPLOYMENT, DP_LABELS, DataParallelNode(0, HEAD_ENGINES, rpc_port)),
+        (DP_NODE_DEPLOYMENT, NODE_LABELS, DataParallelNode(HEAD_ENGINES, DP - HEAD_ENGINES, rpc_port)),
+    )
+    pods = []
+    for name, labels, node in nodes:
+        args = node_args(model_dir, port, node, dp=DP, tp=TP, api_servers=1, max_model_len=MAX_MODEL_LEN)
+        container = _container(args, None if node.start_rank else port, local=node.local)
+        pods.append(_deployment(name, labels, 1, container))
+    return {"apiVersion": "v1", "kind": "List", "items": pods}
+
+
+def _container(args: list[str], port: int | None, *, local: int) -> dict[str, Any]:
+    """The server container: `args` after the interpreter, listening on the pod's IP; `port`
+    None: a headless node (no HTTP, no readiness probe: Ready while it runs)."""
     # The engine settings of the tests' servers; not their PYTHONPATH: the plugin comes from the
     # installed package, as in a user's image. On it only the test session's site settings
     # (tests/support/session_site: a pod serving a steady client would otherwise spin both cores).
-    env = {k: v for k, v in serve_env(TP, dp).items() if k != "PYTHONPATH"}
+    env = {k: v for k, v in serve_env(TP, local).items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(SESSION_SITE)
     env.update(EAGER_HELPERS)  # as the session's own engines and the oracle: tests/support/eager.py
     env["VLLM_CACHE_ROOT"] = _session_vllm_cache()
     if ipc := os.environ.get("VLLM_RPC_BASE_PATH"):  # the session's socket folder (tests/conftest.py)
         env["VLLM_RPC_BASE_PATH"] = ipc
-    container = {
+    container: dict[str, Any] = {
         "name": "vllm",
         "image": "unused",  # the node agent runs the command as a local process
-        "command": [
-            "python",
-            *_on_pod_ip(serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN)),
-            *data_parallel_args(dp),
-        ],
+        "command": ["python", *_on_pod_ip(args)],
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             *({"name": k, "value": v} for k, v in sorted(env.items())),
         ],
-        "ports": [{"name": "http", "containerPort": port}],
-        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
     }
-    name, labels = (DEPLOYMENT, LABELS) if dp == 1 else (DP_DEPLOYMENT, DP_LABELS)
+    if port is not None:
+        container["ports"] = [{"name": "http", "containerPort": port}]
+        container["readinessProbe"] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2}
+    return container
+
+
+def _deployment(
+    name: str, labels: dict[str, str], replicas: int, container: dict[str, Any]
+) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": NS},
         "spec": {
-            "replicas": REPLICAS if dp == 1 else 1,
+            "replicas": replicas,
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels, "annotations": {OWN_IP_ANNOTATION: "true"}},
