@@ -39,9 +39,10 @@ Between the first two syncs replica 1's server crashes (SIGKILL to its container
 its container restarts, the server comes back on its checkpoint (dummy) weights, and the patched
 sync to v2 brings it there with replica 0 (a new destination process: planned anew).
 
-Last, a second Deployment of one pod whose server runs two data-parallel engines
-(`--data-parallel-size 2`) is synced by a second WeightSync (`vllmServers.dataParallelSize: 2`):
-the pod is two replicas, paused once, each DP engine bit for bit as the v1 oracle.
+Last, a data-parallel server of three engines over two pods (a head pod with two engines and the
+HTTP server, a headless pod with the third) is synced by a second WeightSync selecting the head
+pod (`vllmServers.dataParallelSize: 3`): three replicas, paused once, each DP engine bit for bit
+as the v1 oracle.
 
 The tests share one release, the Deployments and WeightSyncs and run in file order.
 """
