@@ -71,6 +71,7 @@ def attacher(monkeypatch: pytest.MonkeyPatch) -> tuple[ServerAttacher, list[Stan
         ServerAttacher, "_check_attached", lambda self, dest, endpoint, handle, deadline: None
     )
     monkeypatch.setattr(vllm_servers.ray, "get", lambda call, timeout=None: call())
+    monkeypatch.setattr(vllm_servers, "_kill", lambda entry: None)  # ray.kill would start Ray here
     pod = ServerPod(name="vllm-0", uid="uid-0", ip="10.1.0.5", ready=True)
     return ServerAttacher("ns", "policy", list_pods=lambda ns, labels: [pod]), attached
 
