@@ -86,6 +86,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         )
 
 
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_ray(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A unit test is pure and in-process: one that would start or join a Ray cluster (`ray.init`,
+    also Ray's implicit one, e.g. under `ray.kill` or `ray.get`) fails, naming the tier."""
+    if request.node.get_closest_marker("unit") is None:
+        return
+    import ray
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a unit test started Ray: stand in for it, or mark the test e2e")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
 @pytest.fixture(scope="session")
 def local_ray() -> Iterator[str]:
     """One embedded Ray cluster for the session (address). Tests create their participants in
