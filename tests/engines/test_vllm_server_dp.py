@@ -179,7 +179,9 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
     spec = sync_spec(setup.model, NS, setup.src, dp_server["dst"], "v1", **small)
     coordinator = Coordinator(spec, NullReporter(), manifest=d.manifest)
     sources = [h for _, h in find_actors(NS, setup.src_prefix)]
-    client = Client(url, dp_rank=0)  # the head's own engine: its clients must see no error
+    # the head's own engine: its clients must see no error (a request every 0.5 s: the trial
+    # waits out the transfer timeout, and each generation costs CPU the other lane needs)
+    client = Client(url, 0.5, dp_rank=0)
     gate, pool = None, ThreadPoolExecutor(1)
     try:
         _synced(coordinator, "v1")
@@ -214,6 +216,7 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
         client.join(120)
         train_step(setup, "v1")
     print(f"headless node killed: failed in {failed_in:.1f} s: {report.failure}")
+    print(f"DP rank 0's client: {client.requests} requests, {client.failed} failed")
     print("replicas:", [(r.replica, r.state.value, r.rank_versions) for r in report.replicas])
     assert to_victim[0] > 0 and to_victim[1] > 0 and received == to_victim[0], (to_victim, received)
     assert report.result is SyncResult.FAILED and report.failure is not None
