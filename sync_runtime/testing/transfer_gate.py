@@ -11,7 +11,8 @@ test knows when every source is there; the gate stays closed while its file exis
 
 `messages_to` counts the messages a rank receives in one round (a rank reports its progress
 per completed message, so a test that reads a receiver's progress must know how many);
-`wait_received` reads that progress from the running sync's store.
+`wait_received` reads that progress from the running sync's store; `replica_rank` and
+`bytes_per_round` find a replica's rank and what it receives in each round.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import ray
 
 from sync_runtime.core.plan import SyncPlan
+from sync_runtime.core.topology import Role
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.transfer import EngineHooks, TransferConfig
 from sync_runtime.transfer.buffers import message_layout
@@ -87,6 +89,20 @@ class SourceGate:
         """Open the gate and take the observer off every actor (the sources may be shared)."""
         self.open()
         ray.get([a.__ray_call__.remote(_disarm) for a in self.actors])
+
+
+def replica_rank(participants: Sequence[Any], replica: int) -> int:
+    """The global rank of `replica`'s first destination rank among a session's `participants`."""
+    return next(
+        rank
+        for rank, p in enumerate(participants)
+        if p.meta.role is Role.DESTINATION and p.meta.coord.replica == replica
+    )
+
+
+def bytes_per_round(plan: SyncPlan, rank: int) -> list[int]:
+    """The bytes `rank` receives in each round of `plan`."""
+    return [sum(b.nbytes for b in r.buckets if b.dst_rank == rank) for r in plan.rounds]
 
 
 def messages_to(plan: SyncPlan, rank: int, round_index: int) -> int:

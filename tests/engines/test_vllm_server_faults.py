@@ -38,7 +38,7 @@ from typing import Any
 import pytest
 import ray
 
-from sync_runtime.core.topology import ParallelSpec, Role
+from sync_runtime.core.topology import ParallelSpec
 from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.engines.vllm_ranks import attach
 from sync_runtime.runtime.commit import CommitHooks
@@ -46,7 +46,13 @@ from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncResult, SyncStep
 from sync_runtime.testing.cluster import train_step
-from sync_runtime.testing.transfer_gate import SourceGate, messages_to, wait_received
+from sync_runtime.testing.transfer_gate import (
+    SourceGate,
+    bytes_per_round,
+    messages_to,
+    replica_rank,
+    wait_received,
+)
 from sync_runtime.testing.vllm_models import PROMPTS
 from tests.support import shared_server
 from tests.support.vllm_deploy import destination_ref, sync_spec
@@ -214,12 +220,8 @@ def test_killed_during_the_transfer_then_synced_without_it(fleet: dict[str, Any]
         session = coordinator.session
         assert session is not None
         plan, participants = session.plan, session.participants
-        victim = next(
-            r
-            for r, p in enumerate(participants)
-            if p.meta.role is Role.DESTINATION and p.meta.coord.replica == 1
-        )
-        to_victim = [sum(b.nbytes for b in r.buckets if b.dst_rank == victim) for r in plan.rounds]
+        victim = replica_rank(participants, 1)
+        to_victim = bytes_per_round(plan, victim)
         # One message to replica 1 in round 0: its first progress report is that whole bucket landed
         messages = messages_to(plan, victim, 0)
         received = wait_received(coordinator, victim, to_victim[0], timeout_s=60)
