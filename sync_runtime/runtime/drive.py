@@ -113,7 +113,7 @@ def drive_transfer(
             if outcome.ok:
                 results[refs[r]] = outcome
             else:
-                fail(_named(outcome, refs[r], ps[refs[r]]))
+                fail(_named(outcome, refs[r], ps))
         done = _progress(store, keys, results)
         if done != reported:
             on_progress(done)
@@ -130,14 +130,18 @@ def drive_transfer(
     return Transfer([results[rank] for rank in range(len(ps))])
 
 
-def _named(result: RankResult, rank: int, p: Participant) -> SyncFailure:
-    """The rank's failure, with the participant's name (what an operator looks for in Ray)."""
+def _named(result: RankResult, rank: int, ps: Sequence[Participant]) -> SyncFailure:
+    """The rank's failure, with the participant's name (what an operator looks for in Ray) and,
+    when the failure is a peer's doing (a send to a dead worker broke), the peer's name too: a
+    server's proxy is named after its pod, so a dead server's pod is named even when only the
+    rank that talked to it could report the failure."""
     failure = result.failure or InternalError("ws_run failed without saying why").to_failure()
+    message = f"{ps[rank].name}: {failure.message}"
+    peer = failure.peer
+    if peer is not None and peer != rank and 0 <= peer < len(ps):
+        message += f" (peer: rank {peer}, {ps[peer].name})"
     return failure.model_copy(
-        update={
-            "rank": rank if failure.rank is None else failure.rank,
-            "message": f"{p.name}: {failure.message}",
-        }
+        update={"rank": rank if failure.rank is None else failure.rank, "message": message}
     )
 
 

@@ -219,6 +219,7 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
     assert report.result is SyncResult.FAILED and report.failure is not None
     assert report.failure.step is SyncStep.TRANSFER, report.failure
     assert victim in (report.failure.rank, report.failure.peer), report.failure  # the dead worker
+    assert session.participants[victim].name in report.failure.message, report.failure  # named too
     assert report.moved_bytes == 0 and report.stages.commit == 0.0  # no commit phase ran
     assert failed_in < 3 * TIMEOUT_S  # bounded by the transfer timeout, not vLLM's (none)
     # Every replica is named, out of serving, version unknown: their ranks never answered
