@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from sync_runtime.core.plan import Bucket, RankPlan, Transfer
 from sync_runtime.errors import (
+    ConnectError,
     ParticipantDied,
     PeerFailed,
     PlanMismatchError,
@@ -254,3 +255,40 @@ def test_large_host_staging_is_zeroed_writable_and_outlives_its_mapping() -> Non
     dw.staged("w")[0, 0] = 3.0  # the mapping lives as long as the staged tensor
     dw.commit()
     assert live[0, 0] == 3.0 and live[-1, -1] == 2.0 and live[1, 1] == 0.0
+
+
+class _ClosedPairs:
+    """A gloo backend whose pair with rank 3 is closed (that rank's process died): posting an op
+    to it raises at once, as gloo does."""
+
+    def __init__(self) -> None:
+        self.posted: list[tuple[str, int]] = []
+
+    def _op(self, kind: str, peer: int) -> object:
+        if peer == 3:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer [127.0.0.1]:47255")
+        self.posted.append((kind, peer))
+        return object()
+
+    def recv(self, bufs: list, peer: int, tag: int) -> object:
+        return self._op("recv", peer)
+
+    def send(self, bufs: list, peer: int, tag: int) -> object:
+        return self._op("send", peer)
+
+
+def test_posting_to_a_dead_peer_names_that_peer() -> None:
+    from sync_runtime.transfer.group import SyncGroup
+
+    backend = _ClosedPairs()
+    group = SyncGroup(
+        store=dist.HashStore(), backend=backend, rank=0, world_size=4, kind="gloo", timeout_s=5, name="g"
+    )  # type: ignore[arg-type]
+    buf = torch.zeros(4, dtype=torch.uint8)
+    with pytest.raises(ConnectError) as raised:
+        group.post([(1, buf, 0), (3, buf, 0)], [(2, buf, 0)])
+    assert raised.value.peer == 3 and raised.value.step is SyncStep.TRANSFER
+    assert "send to rank 3" in raised.value.message and "Connection closed" in raised.value.message
+    assert backend.posted == [("recv", 2), ("send", 1)]  # every irecv first, then the sends in order
+    # the control: a round without the dead rank posts every op
+    assert len(group.post([(1, buf, 0)], [(2, buf, 0)])) == 2

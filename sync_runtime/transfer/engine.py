@@ -389,9 +389,9 @@ def _as_error(e: Exception, ex: _Executor, peer: SyncFailure | None, *, is_sourc
     memory is gone, a transport call refused) is the rank's own failure unless a peer failed
     first; its traceback goes to the log, its one-line description into the failure."""
     rank = ex.plan.rank
-    if isinstance(e, WeightSyncError):
+    if isinstance(e, WeightSyncError) and not (isinstance(e, ConnectError) and peer is not None):
         return e.located(rank=rank)
-    if peer is not None:
+    if peer is not None:  # a broken connection (ConnectError) is often the echo of a peer's failure
         # e.g. posting to a peer that already failed and closed its connections: name the cause.
         return peer_failed(rank, f"aborted in {ex.where} [local: {describe_unexpected(e)}]", peer)
     log.warning("rank %d: unexpected error in %s", rank, ex.where, exc_info=e)

@@ -137,8 +137,21 @@ class SyncGroup:
             for peer, buf, tag in sends:
                 self.backend.send([buf], peer, tag)
             return [self.backend._end_coalescing()]
-        works = [self.backend.recv([buf], peer, tag) for peer, buf, tag in recvs]
-        works += [self.backend.send([buf], peer, tag) for peer, buf, tag in sends]
+        works = []
+        ops = ((self.backend.recv, "recv from", recvs), (self.backend.send, "send to", sends))
+        for op, what, messages in ops:
+            for peer, buf, tag in messages:
+                try:
+                    works.append(op([buf], peer, tag))
+                except RuntimeError as e:
+                    # gloo refuses the op at once when the pair's connection is already closed:
+                    # the peer's process died (the error names an address, not a rank)
+                    raise ConnectError(
+                        f"rank {self.rank}: posting a {what} rank {peer} failed: {e}",
+                        rank=self.rank,
+                        peer=peer,
+                        step=SyncStep.TRANSFER,
+                    ) from e
         return works
 
     def adopt(self, thread: threading.Thread) -> None:
