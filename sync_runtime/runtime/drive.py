@@ -26,6 +26,12 @@ def deadline_margin(timeout_s: float) -> float:
 
 
 POLL_S = 0.2
+STRAGGLER_GRACE_S = 20.0
+"""Once a rank failed, how long the others still get to return. A live rank sees the published
+failure within its poll interval and aborts, so this only bounds the wait for a rank that cannot
+answer: its process died without Ray noticing (a vLLM server's remote engine, whose head keeps
+its HTTP routes waiting on it), where waiting out `transferTimeoutSeconds` (300 s by default)
+would only delay the report. Such a rank is reported unfinished, and its replica out of serving."""
 
 
 def backend_for(participants: Sequence[Participant], transport: Transport) -> str:
@@ -81,18 +87,11 @@ def drive_transfer(
     """Run every rank's plan concurrently; all results, or the root cause of the failure.
 
     `staging`: destination rank -> its deployment's staging policy (default transport.staging)."""
-    plan, ps = session.plan, session.participants
-    backend = backend_for(ps, transport)
+    ps = session.participants
     keys = [f"{session.group_name}/progress/{rank}" for rank in range(len(ps))]
     for key in keys:
         store.delete_key(key)
-    refs: dict[Any, int] = {}
-    # Every rank's own program, cut in batches in one pass (not rank by rank: planner/program.py)
-    programs = None if session.plans_sent else plan.rank_plans(range(len(ps)))
-    for rank, p in enumerate(ps):
-        rank_plan = plan.digest if programs is None else next(programs)
-        cfg = transfer_config(transport, p, backend, (staging or {}).get(rank), delta_base)
-        refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg, txn)] = rank
+    refs = _start_ranks(session, transport, version, txn, staging, delta_base)
     session.syncs += 1  # the engine numbers syncs per group from 1; keeps the coordinator in step
     margin = deadline_margin(transport.transfer_timeout_seconds)
     deadline = time.monotonic() + transport.transfer_timeout_seconds + margin
@@ -105,7 +104,7 @@ def drive_transfer(
         # engine could publish their failure, so the others stop within one poll interval.
         mark_failed(store, session, session.syncs, failure)
 
-    pending, reported = list(refs), -1
+    pending, reported, failed_at = list(refs), -1, None
     while pending and time.monotonic() < deadline:
         ready, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
         for r in ready:
@@ -114,13 +113,19 @@ def drive_transfer(
                 results[refs[r]] = outcome
             else:
                 fail(_named(outcome, refs[r], ps))
+        if failures and failed_at is None:
+            failed_at = time.monotonic()
+            deadline = min(deadline, failed_at + STRAGGLER_GRACE_S)
         done = _progress(store, keys, results)
         if done != reported:
             on_progress(done)
             reported = done
     # A rank still running when the others gave up on it explains their timeouts: it goes
     # first, so among failures of the same root-cause rank it is the one reported.
-    hung = [_hung(refs[r], ps[refs[r]], transport.transfer_timeout_seconds, margin) for r in pending]
+    if failed_at is None:
+        hung = [_hung(refs[r], ps[refs[r]], transport.transfer_timeout_seconds, margin) for r in pending]
+    else:
+        hung = [_straggler(refs[r], ps[refs[r]], time.monotonic() - failed_at) for r in pending]
     for failure in hung:
         mark_failed(store, session, session.syncs, failure)
     failures = hung + failures
@@ -128,6 +133,27 @@ def drive_transfer(
         root = min(failures, key=lambda f: f.root_cause)  # min keeps the first of equals
         return Transfer([], root, frozenset(refs[r] for r in pending))
     return Transfer([results[rank] for rank in range(len(ps))])
+
+
+def _start_ranks(
+    session: Session,
+    transport: Transport,
+    version: str,
+    txn: str | None,
+    staging: Mapping[int, str] | None,
+    delta_base: Mapping[int, str] | None,
+) -> dict[Any, int]:
+    """Every rank's `ws_run`, started: its result ref -> the rank."""
+    plan, ps = session.plan, session.participants
+    backend = backend_for(ps, transport)
+    refs: dict[Any, int] = {}
+    # Every rank's own program, cut in batches in one pass (not rank by rank: planner/program.py)
+    programs = None if session.plans_sent else plan.rank_plans(range(len(ps)))
+    for rank, p in enumerate(ps):
+        rank_plan = plan.digest if programs is None else next(programs)
+        cfg = transfer_config(transport, p, backend, (staging or {}).get(rank), delta_base)
+        refs[p.handle.ws_run.remote(rank_plan, plan.digest, version, cfg, txn)] = rank
+    return refs
 
 
 def _named(result: RankResult, rank: int, ps: Sequence[Participant]) -> SyncFailure:
@@ -149,6 +175,16 @@ def _hung(rank: int, p: Participant, timeout_s: float, margin: float) -> SyncFai
     """Still running when the others gave up on it: the likely root cause."""
     return TransferTimeout(
         f"rank {rank} ({p.name}) did not finish within {timeout_s:g}s (+{margin:g}s margin)",
+        rank=rank,
+        step=SyncStep.TRANSFER,
+    ).to_failure()
+
+
+def _straggler(rank: int, p: Participant, waited_s: float) -> SyncFailure:
+    """Still running well after another rank failed (which every live rank hears of within its
+    poll interval): its process likely died unnoticed. Reported after the failure that caused it."""
+    return TransferTimeout(
+        f"rank {rank} ({p.name}) was still in its transfer {waited_s:.0f}s after the sync failed",
         rank=rank,
         step=SyncStep.TRANSFER,
     ).to_failure()

@@ -47,6 +47,7 @@ from sync_runtime.engines.vllm_http import HttpControl
 from sync_runtime.kube.pods import world_size_problem
 from sync_runtime.runtime.coordinator import Coordinator
 from sync_runtime.runtime.discovery import find_actors
+from sync_runtime.runtime.drive import STRAGGLER_GRACE_S
 from sync_runtime.schema.report import NullReporter, ReplicaState, SyncReport, SyncResult, SyncStep
 from sync_runtime.testing.cluster import train_step
 from sync_runtime.testing.transfer_gate import SourceGate, bytes_per_round, replica_rank, wait_received
@@ -61,8 +62,11 @@ NS = "vllm-server-dp"
 DP = 2
 DST = ParallelSpec.parse(f"tp=1,replicas={DP}")
 """Each DP rank is a replica: the destination declares DP x (servers) replicas."""
-TIMEOUT_S = 25
-"""The killed-node trial's transferTimeoutSeconds: the sources wait at most this long parked."""
+TIMEOUT_S = 120
+"""The killed-node trial's transferTimeoutSeconds (the sources wait at most this long parked): the
+sync must fail well before it, once the ranks that can answer have (drive.STRAGGLER_GRACE_S)."""
+RETRY_CONNECT_S = 15
+"""Its retry's connectTimeoutSeconds, which also bounds discovery."""
 
 
 def outputs_carry_versions() -> bool:
@@ -170,11 +174,13 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
     dies"). The sources are parked after round 0, and once DP rank 1's worker reported its round-0
     bytes its node's process group is SIGKILLed. vLLM's head does not notice a remote engine's
     death: its calls for every DP rank wait on the dead one, so the proxy's ranks stay in their
-    transfer."""
+    transfer. Then a new sync (a fresh runtime) while the node is still dead: it fails at
+    discovery within its connect timeout, naming the server's proxy, and applies nothing."""
     url, ref, d = dp_server["url"], dp_server["ref"], dp_server["d"]
     setup = d.setup
-    # 1 MiB buckets, 2 MiB staging budget: three rounds, each with bytes for DP rank 1. The sync
-    # ends once the transfer timeout has passed: the ranks behind the head never answer again
+    # 1 MiB buckets, 2 MiB staging budget: three rounds, each with bytes for DP rank 1. The dead
+    # rank behind the head never answers again: the sync ends STRAGGLER_GRACE_S after the first
+    # failure (a source's broken send), not once the transfer timeout has passed
     small = {"bucket_mb": 1, "staging_budget_mb": 2, "delta": "off", "transfer_timeout_seconds": TIMEOUT_S}
     spec = sync_spec(setup.model, NS, setup.src, dp_server["dst"], "v1", **small)
     coordinator = Coordinator(spec, NullReporter(), manifest=d.manifest)
@@ -200,6 +206,18 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
         started = time.monotonic()
         report = running.result(timeout=300)
         failed_in = time.monotonic() - started
+        # A new sync while the node is still dead (a fresh runtime): the server's ranks cannot
+        # answer discovery (vLLM sends the call to every DP engine), so it fails there, bounded
+        # by the connect timeout, naming the server's proxy; nothing reaches any engine
+        retry = {**small, "connect_timeout_seconds": RETRY_CONNECT_S}
+        retry_spec = sync_spec(setup.model, NS, setup.src, dp_server["dst"], "v2", **retry)
+        retrying = Coordinator(retry_spec, NullReporter(), manifest=d.manifest)
+        started = time.monotonic()
+        try:
+            again_report = pool.submit(retrying.sync, "v2").result(timeout=600)
+        finally:
+            retrying.close()
+        retry_in = time.monotonic() - started
         client.stop.set()
         client.join(120)
         head = per_dp_rank(url, 1)[0]  # DP rank 0 only: rank 1's engine is gone
@@ -214,6 +232,8 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
         train_step(setup, "v1")
     print(f"headless node killed: failed in {failed_in:.1f} s: {report.failure}")
     print(f"DP rank 0's client: {client.requests} requests, {client.failed} failed")
+    print(f"retry while the node is dead: failed in {retry_in:.1f} s: {again_report.failure}")
+    print("retry replicas:", [(r.replica, r.state.value, r.rank_versions) for r in again_report.replicas])
     print("replicas:", [(r.replica, r.state.value, r.rank_versions) for r in report.replicas])
     assert to_victim[0] > 0 and to_victim[1] > 0 and received == to_victim[0], (to_victim, received)
     assert report.result is SyncResult.FAILED and report.failure is not None
@@ -221,7 +241,12 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
     assert victim in (report.failure.rank, report.failure.peer), report.failure  # the dead worker
     assert session.participants[victim].name in report.failure.message, report.failure  # named too
     assert report.moved_bytes == 0 and report.stages.commit == 0.0  # no commit phase ran
-    assert failed_in < 3 * TIMEOUT_S  # bounded by the transfer timeout, not vLLM's (none)
+    assert failed_in < STRAGGLER_GRACE_S + 20 < TIMEOUT_S  # not waiting out the transfer timeout
+    proxy = session.participants[victim].name.partition("#")[0]
+    refused = again_report.failure
+    assert again_report.result is SyncResult.FAILED and refused is not None
+    assert refused.step is SyncStep.DISCOVER and proxy in refused.message, refused
+    assert retry_in < 3 * RETRY_CONNECT_S, retry_in
     # Every replica is named, out of serving, version unknown: their ranks never answered
     assert [(r.replica, r.state, r.version) for r in report.replicas] == [
         (k, ReplicaState.DEGRADED, None) for k in range(DP)
