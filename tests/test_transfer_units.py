@@ -278,8 +278,6 @@ class _ClosedPairs:
 
 
 def test_posting_to_a_dead_peer_names_that_peer() -> None:
-    from sync_runtime.transfer.group import SyncGroup
-
     backend = _ClosedPairs()
     group = SyncGroup(
         store=dist.HashStore(), backend=backend, rank=0, world_size=4, kind="gloo", timeout_s=5, name="g"

@@ -186,7 +186,8 @@ def test_a_headless_node_killed_during_the_transfer_leaves_the_head_on_its_versi
     coordinator = Coordinator(spec, NullReporter(), manifest=d.manifest)
     sources = [h for _, h in find_actors(NS, setup.src_prefix)]
     # the head's own engine: its clients must see no error (a request every 0.5 s: the trial
-    # waits out the transfer timeout, and each generation costs CPU the other lane needs)
+    # waits out the straggler grace and the retry's connect timeout, and each generation costs
+    # CPU the other lane needs)
     client = Client(url, 0.5, dp_rank=0)
     gate, pool = None, ThreadPoolExecutor(1)
     try:
