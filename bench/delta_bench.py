@@ -35,7 +35,6 @@ import hashlib
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -72,10 +71,8 @@ def train(config: dict[str, Any], steps: int, lr: float) -> list[dict[str, torch
     from sync_runtime.testing.megatron_models import build_chunks, init_parallel, megatron_config
     from sync_runtime.testing.megatron_train import train_step
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # One rank: an in-process store, no port to find (one found free can be taken by then).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     spec = ParallelSpec()
     init_parallel(spec, seed=0)
     chunks = build_chunks(config, megatron_config(config, spec, dtype=torch.float32, init_std=0.02))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
 import statistics
 import time
 
@@ -32,10 +31,8 @@ from sync_runtime.engines import megatron_cpu
 def _init() -> None:
     torch.set_num_threads(1)
     megatron_cpu.install()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    # One rank: an in-process store, no port to find (one found free can be taken by then).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
 def _cpu(fn, repeats: int) -> float:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -73,9 +72,9 @@ class Trainer(MegatronSourceParticipant):  # WeightSync: the mixin
     def __init__(self, rank: int, world_size: int, master: str) -> None:
         torch.set_num_threads(1)
         megatron_cpu.install()  # CPU only: keeps Megatron's CUDA-only calls off the CPU
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size
-        )
+        host, port = master.rsplit(":", 1)
+        store = torch.distributed.TCPStore(host, int(port), is_master=False)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
 
     def setup(self, hf_config: dict[str, Any], tp: int, seed: int) -> None:
         from megatron.core import parallel_state
@@ -189,10 +188,8 @@ def engine_env() -> dict[str, str]:
     }
 
 
-def start_trainers(tp: int, seed: int) -> list[Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        master = f"127.0.0.1:{s.getsockname()[1]}"
+def start_trainers(tp: int, seed: int, store: torch.distributed.TCPStore) -> list[Any]:
+    master = f"127.0.0.1:{store.port}"
     actor = ray.remote(Trainer).options(num_cpus=0)
     trainers = [actor.remote(rank, tp, master) for rank in range(tp)]
     ray.get([t.setup.remote(HF_CONFIG, tp, seed) for t in trainers])  # collective: all at once
@@ -249,7 +246,10 @@ def main() -> int:
     # ray.init(address=..., namespace=NAMESPACE) and the trainer and engine actors placed there.
     ray.init(address="local", namespace=NAMESPACE, include_dashboard=False, object_store_memory=256 << 20)
     address = ray.get_runtime_context().gcs_address
-    trainers = start_trainers(args.tp, args.seed)
+    # The trainers' rendezvous, served from here for their whole life. The store binds a port
+    # itself: one found free first can be taken by another process before rank 0 binds it.
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    trainers = start_trainers(args.tp, args.seed, store)
     with tempfile.TemporaryDirectory(prefix="megatron-to-vllm-") as tmp:
         model_dir = write_checkpoint(trainers, Path(tmp) / "step-0")
         oracle = run_engine(model_dir, "auto")  # loads the checkpoint

@@ -26,7 +26,8 @@ from typing import Any
 import ray
 import torch
 
-from sync_runtime.testing.megatron_actors import MegatronTrainer, free_address
+from sync_runtime.testing.gloo_world import hold_rendezvous
+from sync_runtime.testing.megatron_actors import MegatronTrainer
 
 __all__ = ["MainWeightsAdam", "MixedPrecisionTrainer", "start_mixed_trainers"]
 
@@ -81,7 +82,7 @@ class MixedPrecisionTrainer(MegatronTrainer):
 
 def start_mixed_trainers(world_size: int, namespace: str, prefix: str) -> list[Any]:
     """`world_size` MixedPrecisionTrainer actors joined in one gloo world (as start_trainers)."""
-    master = free_address()
+    master = hold_rendezvous()
     cls = ray.remote(MixedPrecisionTrainer)
     handles = [
         cls.options(name=f"{prefix}src-{r}", namespace=namespace, num_cpus=0).remote(r, world_size, master)

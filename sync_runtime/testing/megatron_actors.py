@@ -9,13 +9,11 @@ part on a small machine, so tests reuse them).
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
 import torch
-import torch.distributed as dist
 
 from sync_runtime.core.layouts import get_layout
 from sync_runtime.core.topology import ParallelSpec, RankCoord
@@ -24,6 +22,7 @@ from sync_runtime.engines.megatron import MegatronSourceParticipant
 from sync_runtime.engines.megatron_convert import ExportedShard, export_shards
 from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.testing.actors import VllmDestinationActor
+from sync_runtime.testing.gloo_world import hold_rendezvous, join_gloo_world
 
 
 class MegatronTrainer(MegatronSourceParticipant):
@@ -32,7 +31,7 @@ class MegatronTrainer(MegatronSourceParticipant):
     def __init__(self, rank: int, world_size: int, master: str) -> None:
         torch.set_num_threads(1)  # many ranks share few cores
         megatron_cpu.install()
-        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
+        join_gloo_world(master, rank, world_size)
         self.chunks: list[torch.nn.Module] = []
         self.config: dict[str, Any] = {}
 
@@ -184,15 +183,8 @@ class BlankDestination(VllmDestinationActor):
         super().__init__(coord, tensors, version="v0")
 
 
-def free_address() -> str:
-    """host:port for the trainers' gloo rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
 def start_trainers(world_size: int, namespace: str, prefix: str) -> list[Any]:
-    master = free_address()
+    master = hold_rendezvous()
     cls = ray.remote(MegatronTrainer)
     handles = [
         cls.options(name=f"{prefix}src-{r}", namespace=namespace, num_cpus=0).remote(r, world_size, master)

@@ -28,6 +28,7 @@ from sync_runtime.engines import megatron_cpu
 from sync_runtime.planner import PlannerConfig, SideSpec, plan_sync
 from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import dtype_name
+from sync_runtime.testing.gloo_world import join_gloo_world
 from sync_runtime.testing.local_ranks import RankContext
 from sync_runtime.transfer import DestinationWeights, SyncGroup, TransferConfig, run_rank_plan
 
@@ -104,9 +105,7 @@ def mtp_rank(
     if ctx.rank < n_src:
         megatron_cpu.install()
         if not dist.is_initialized():  # Megatron's world: the source ranks only
-            dist.init_process_group(
-                "gloo", init_method=f"tcp://{rendezvous}", rank=ctx.rank, world_size=n_src
-            )
+            join_gloo_world(rendezvous, ctx.rank, n_src)
         spec = source_side.spec
         source = MegatronSource([build_model(config, spec)], config, layer_counts=spec.layer_counts)
         _same(source.manifest.with_mtp(), planned)

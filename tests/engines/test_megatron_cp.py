@@ -10,7 +10,6 @@ here; tests/test_context_parallel_sync.py syncs a CP source through the demo's a
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sync_runtime.core.topology import ParallelSpec, Role, enumerate_ranks
+from sync_runtime.testing.gloo_world import hold_rendezvous, join_gloo_world
 
 pytestmark = pytest.mark.engines
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _rank(rank: int, port: int, out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _rank(rank: int, rendezvous: str, out: Any) -> None:
+    join_gloo_world(rendezvous, rank, 2)
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -60,18 +59,12 @@ def _rank(rank: int, port: int, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_megatron_cp2_ranks_report_the_planners_coordinates() -> None:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     # The spawned ranks import this module (and this checkout's sync_runtime) by name.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    mp.start_processes(_rank, args=(_free_port(), out), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(hold_rendezvous(), out), nprocs=2, start_method="spawn")
     results = sorted(out.get() for _ in range(2))
     spec = ParallelSpec(cp=2)
     assert [r[2] for r in results] == [spec, spec]

@@ -23,8 +23,8 @@ from sync_runtime.runtime.discovery import Participant, check_side
 from sync_runtime.runtime.hf_manifest import build_manifest
 from sync_runtime.runtime.participant import ParticipantMeta
 from sync_runtime.schema.crd import DeploymentRef, Parallelism
+from sync_runtime.testing.gloo_world import hold_rendezvous
 from sync_runtime.testing.local_ranks import LocalWorld
-from sync_runtime.testing.megatron_actors import free_address
 from sync_runtime.testing.megatron_mtp import mtp_rank, sides
 
 pytestmark = pytest.mark.engines
@@ -41,7 +41,7 @@ def world() -> Iterator[LocalWorld]:
 
 
 def _sync(world: LocalWorld, src: str, scramble: str | None) -> list[dict[str, Any]]:
-    args = (CONFIG, src, DST, free_address(), scramble)
+    args = (CONFIG, src, DST, hold_rendezvous(), scramble)
     outcomes = world.run(mtp_rank, [args] * 4, timeout_s=400)
     for o in outcomes:
         assert o.error is None and o.exitcode is None, o
