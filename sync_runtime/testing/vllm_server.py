@@ -15,7 +15,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,17 +24,12 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from sync_runtime.testing.ports import free_port
 from sync_runtime.testing.vllm_deploy import KV_CACHE_BYTES, engine_env
 from sync_runtime.testing.vllm_models import MAX_TOKENS, PROMPTS
 
 START_TIMEOUT_S = 900.0
 """Server start on a loaded 2-core machine: 20-70 s alone, minutes beside serving engines."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def serve_args(

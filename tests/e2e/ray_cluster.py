@@ -23,7 +23,6 @@ import queue
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from sync_runtime.testing.cluster import RAYLET_TIMEOUT
+from sync_runtime.testing.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().parent / "ray_driver.py"
@@ -40,12 +40,6 @@ REPLY = "@ws-driver "
 """Prefix of ray_driver.py's answer lines (its REPLY)."""
 MARKER = "WS_E2E_RAY"
 RAY_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS", MARKER)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _marked_pids(marker: str) -> list[int]:

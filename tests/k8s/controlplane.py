@@ -20,7 +20,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import tempfile
@@ -30,6 +29,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from sync_runtime.testing.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 ENSURE_BINARIES = HERE / "ensure_binaries.sh"
@@ -60,12 +61,6 @@ def ensure_binaries(say: Callable[[str], None] = print) -> Path:
     for line in lines[:-1]:
         say(line)
     return Path(lines[-1])
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _openssl(*args: str, cwd: Path) -> None:
