@@ -1,8 +1,9 @@
 """The test session's vLLM processes use the short idle window of tests/support/session_site, have
 the heavy imports frozen out of the garbage collector and fork vLLM's children where vLLM would
-(why: its sitecustomize.py): a process started with the session's environment, as every engine
-process the tests start is, gets all three; one started without that directory keeps vLLM's own
-second, freezes nothing and spawns as vLLM's CPU platform asks."""
+and draw vLLM's ports from below the ephemeral range (why: its sitecustomize.py): a process
+started with the session's environment, as every engine process the tests start is, gets all
+four; one started without that directory keeps vLLM's own second, freezes nothing, spawns as
+vLLM's CPU platform asks and takes vLLM's ports from port 0."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 
 import pytest
 
+from sync_runtime.testing import ports
 from tests.support.session_site import sitecustomize as quiet
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]
@@ -20,8 +22,9 @@ pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 PROBE = """
 import gc, inspect, json, sys, types, vllm
 from vllm.distributed.device_communicators import shm_broadcast as shm
-from vllm.utils import system_utils
+from vllm.utils import network_utils, system_utils
 start = system_utils.get_mp_context().get_start_method()
+ports = [network_utils.get_open_port() for _ in range(8)]
 ray = types.ModuleType("ray")  # a process where Ray is initialized
 ray.is_initialized = lambda: True
 sys.modules["ray"] = ray
@@ -32,6 +35,7 @@ print(json.dumps({
     "default": inspect.signature(shm.SpinCondition.__init__).parameters["busy_loop_s"].default,
     "start": start,
     "start_with_ray": system_utils.get_mp_context().get_start_method(),
+    "ports": ports,
 }))
 """
 
@@ -52,9 +56,12 @@ def test_engine_processes_of_the_session_wait_quietly_and_others_do_not() -> Non
     assert session["frozen"] > 100_000  # torch's and vLLM's objects, out of every collection
     assert session["start"] == "fork" and session["start_with_ray"] == "spawn"
     assert _probe(os.environ["PYTHONPATH"], **{quiet.KEEP_SPAWN_ENV: "1"})["start"] == "spawn"
+    low = ports._ephemeral_low()
+    assert all(low - ports._SPAN <= p < low for p in session["ports"]), session["ports"]
 
     # control: without the directory on PYTHONPATH vLLM keeps its one-second window
     plain = _probe(quiet.pythonpath_without_this_site(os.environ["PYTHONPATH"]))
     assert plain["marked"] is None and plain["default"] == 1
     assert plain["start"] == "spawn"
+    assert any(p >= low for p in plain["ports"]), plain["ports"]  # vLLM's port 0: the ephemeral range
     assert plain["frozen"] < session["frozen"] // 100  # (CPython 3.12 starts with a few hundred of its own)

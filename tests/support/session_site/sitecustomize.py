@@ -1,5 +1,5 @@
-"""Three settings of the test session's processes that cut their idle and start-up CPU, and change
-nothing they compute.
+"""Four settings of the test session's processes: three cut their idle and start-up CPU, one takes
+a class of port collisions away; none changes what they compute.
 
 This directory goes on PYTHONPATH for the processes the test session starts (tests/conftest.py;
 the e2e's server pods get it in their env), so each imports this module at start-up.
@@ -49,6 +49,14 @@ loaded by a freshly spawned worker, under test. A forked worker still reads its 
 settings: vLLM sets each worker's OpenMP threads and binding explicitly at its start
 (`init_cpu_threads_env`), not only from the environment. `WS_TEST_VLLM_SPAWN=1` in a process's
 environment keeps vLLM's CPU `spawn` there.
+
+4. vLLM's ports come from below the kernel's ephemeral range. vLLM picks the ports of a TP
+engine's torch.distributed rendezvous and of its data-parallel coordination by binding port 0
+and closing the socket (`network_utils._get_open_port`); the port is bound again seconds later,
+once the workers are up. A port from port 0 is one any `connect()` on the machine may take in
+between (sync_runtime/testing/ports.py): a Megatron-Core trainer rendezvous of the same kind failed
+CI with EADDRINUSE while the other test lane ran. Where vLLM would bind port 0 (no `VLLM_PORT`),
+it gets `free_port()`'s port instead; `VLLM_PORT` and vLLM's other calls are left as they are.
 """
 
 from __future__ import annotations
@@ -68,6 +76,7 @@ from typing import Any
 SHM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
 START_MODULE = "vllm.utils.system_utils"
 KEEP_SPAWN_ENV = "WS_TEST_VLLM_SPAWN"
+PORT_MODULE = "vllm.utils.network_utils"
 FORK_CHECKS = ("current_platform", "cuda_is_initialized", "in_wsl")
 """The names of vLLM's module that `_fork_is_safe` reads (0.31 and 0.32 have them)."""
 BUSY_WINDOW_S = 0.01
@@ -121,6 +130,26 @@ def _fork_children(system_utils: ModuleType) -> None:
 
     get_mp_context.weightsync_test_fork = True  # type: ignore[attr-defined]
     system_utils.get_mp_context = get_mp_context
+
+
+def _ports_below_ephemeral(network_utils: ModuleType) -> None:
+    """vLLM's `_get_open_port` draws from sync_runtime.testing.ports where it would bind port 0.
+    `get_open_port` and `get_open_ports_list` look it up in the module at each call, so the
+    patch reaches them wherever they were imported."""
+    original = getattr(network_utils, "_get_open_port", None)
+    envs = getattr(network_utils, "envs", None)
+    if original is None or envs is None or getattr(original, "weightsync_test_ports", False):
+        return  # a vLLM whose module differs keeps its own ports
+
+    def _get_open_port(start_port: int | None = None, max_attempts: int | None = None) -> int:
+        if start_port is None and envs.VLLM_PORT is None:
+            from sync_runtime.testing.ports import free_port
+
+            return free_port()
+        return original(start_port, max_attempts)
+
+    _get_open_port.weightsync_test_ports = True  # type: ignore[attr-defined]
+    network_utils._get_open_port = _get_open_port
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -192,6 +221,7 @@ def install() -> None:
     module still to come."""
     _when_imported("quiet", SHM_MODULE, _shorten)
     _when_imported("fork", START_MODULE, _fork_children)
+    _when_imported("ports", PORT_MODULE, _ports_below_ephemeral)
     gc.freeze()
     if _add_finder(_AfterImport("freeze", FREEZE_AFTER, lambda _: gc.freeze())):
         # At exit the objects are handed back to the collector, so that the interpreter's last
