@@ -46,3 +46,15 @@ def test_no_room_below_the_range_falls_back_to_the_kernels_choice(
     monkeypatch.setattr(ports, "_RANGE_FILE", narrow)
     assert ports._ephemeral_low() == 2000
     assert ports.free_port() >= 1024
+
+
+def test_a_port_held_on_another_loopback_address_is_not_free() -> None:
+    # a server pod of the test control plane listens on its own 127.0.0.N
+    with socket.socket() as held:
+        held.bind(("127.0.0.5", 0))
+        held.listen()
+        assert not ports._bindable(held.getsockname()[1])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    assert ports._bindable(free)  # control: released, free again

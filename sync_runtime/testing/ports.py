@@ -26,16 +26,18 @@ def _ephemeral_low() -> int:
 
 
 def _bindable(port: int) -> bool:
+    """Free on every address: the tests' servers bind 127.0.0.1 or a pod's own loopback address,
+    and vLLM binds its ports on all of them."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind(("", port))
         except OSError:
             return False
     return True
 
 
 def free_port(tries: int = 200) -> int:
-    """A port on 127.0.0.1 that nothing holds now, below the ephemeral range where there is room."""
+    """A port that nothing holds now on any address, below the ephemeral range where there is room."""
     low = _ephemeral_low()
     if low - _SPAN >= 1024:
         draw = random.SystemRandom()  # not the tests' seeded `random`: parallel lanes would agree
