@@ -43,7 +43,7 @@ fi
 # The calling clone's code, copied into the venv when it differs from what is installed (a few
 # seconds, no downloads); unchanged sources skip the reinstall, so processes of another clone that
 # runs the same code are not disturbed. Build outputs go to a temporary folder: the clone stays clean.
-source_key="$(cd "$root" && find pyproject.toml sync_runtime operator -type f \( -name '*.py' -o -name '*.json' -o -name '*.toml' \) -not -path '*/__pycache__/*' | sort | xargs sha256sum | sha256sum | cut -c1-16)"
+source_key="$(bash "$root/tools/source_key.sh")"
 if [ "$(cat "$venv/.weightsync-source" 2>/dev/null)" != "$source_key" ]; then
   build="$(mktemp -d)"
   trap 'rm -rf "$build"' EXIT

@@ -104,10 +104,17 @@ else
   echo "vllm_env: cache hit $venv" >&2
 fi
 # The calling clone, non-editable; dependencies are resolved (not --no-deps), so a range in
-# pyproject.toml that the engine's versions do not satisfy fails here, loudly.
-build="$(mktemp -d)"
-trap 'rm -rf "$build"' EXIT
-cp -r "$root/pyproject.toml" "$root/README.md" "$root/sync_runtime" "$root/operator" "$build/"
-"$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps "$build" >&2
-"$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation "$build" >&2
+# pyproject.toml that the engine's versions do not satisfy fails here, loudly. Only when the
+# sources differ from what is installed: a reinstall removes the package's entry points for a
+# moment, and a vLLM process of the other test lane that loads its plugins then lacks the
+# `weightsync` backend (CI failed so once, when the second lane's `make test-vllm` reinstalled).
+source_key="$(bash "$root/tools/source_key.sh")"
+if [ "$(cat "$venv/.weightsync-source" 2>/dev/null)" != "$source_key" ]; then
+  build="$(mktemp -d)"
+  trap 'rm -rf "$build"' EXIT
+  cp -r "$root/pyproject.toml" "$root/README.md" "$root/sync_runtime" "$root/operator" "$build/"
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation --force-reinstall --no-deps "$build" >&2
+  "$venv/bin/pip" install -q --disable-pip-version-check --no-build-isolation "$build" >&2
+  echo "$source_key" >"$venv/.weightsync-source"
+fi
 echo "$venv"
