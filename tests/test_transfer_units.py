@@ -32,7 +32,7 @@ from sync_runtime.transfer.buffers import (
     receive_bucket,
     unpack_bucket,
 )
-from sync_runtime.transfer.checksum import CHUNK_WORDS, _offset_words, checksum_bytes, checksum_tensor
+from sync_runtime.transfer.checksum import BLOCK_WORDS, COLS, RAW_MAX_BYTES, checksum_bytes, checksum_tensor
 from sync_runtime.transfer.staging import tiles_exactly
 
 pytestmark = pytest.mark.unit
@@ -43,7 +43,8 @@ def _rand_bf16(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("numel", [1, 3, 1000, 2 * CHUNK_WORDS + 7])
+# bf16 elements: raw-hashed, one partial row, whole blocks with rows, a row's part and bytes left.
+@pytest.mark.parametrize("numel", [1, 3, 1000, RAW_MAX_BYTES // 2 + 1, 8 * BLOCK_WORDS + 12 * COLS + 7])
 def test_checksum_detects_flipped_byte_anywhere(numel: int) -> None:
     t = _rand_bf16(numel)
     base = checksum_tensor(t)
@@ -55,9 +56,17 @@ def test_checksum_detects_flipped_byte_anywhere(numel: int) -> None:
 
 
 def test_checksum_detects_swapped_elements() -> None:
-    t = _rand_bf16(5 * CHUNK_WORDS)  # bf16: swaps inside one word, across words and across chunks
+    # bf16, 4 per word: inside one word, along a row, down a column, across blocks, into the rows
+    # after the last whole block and into the bytes no row covers.
+    words = 2 * BLOCK_WORDS + 3 * COLS + 5
+    t = _rand_bf16(4 * words)
     base = checksum_tensor(t)
-    for i, j in [(0, 1), (0, 2), (10, 4000), (5, 3 * CHUNK_WORDS + 5), (7, 2 * CHUNK_WORDS + 8)]:
+    col = 4 * COLS  # the element one row below
+    last = 4 * 2 * BLOCK_WORDS
+    pairs = [(0, 1), (0, 2), (3, 4), (10, 4000), (5, 5 + col), (7, 7 + 9 * col), (6, 4 * BLOCK_WORDS + 6)]
+    pairs += [(11, last + 11), (last + 1, last + 1 + col)]
+    pairs += [(12, 4 * words - 2), (4 * words - 1, 4 * words - 5)]
+    for i, j in pairs:
         bad = t.clone()
         bad[i], bad[j] = t[j], t[i]
         assert not torch.equal(bad.view(torch.int16), t.view(torch.int16))
@@ -66,21 +75,24 @@ def test_checksum_detects_swapped_elements() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_checksum_detects_sign_swap_in_every_lane(dtype: torch.dtype) -> None:
-    # x <-> -x differs only in the top bit: the case one pass over 64-bit words cannot catch.
-    t = _rand_bf16(4096).to(dtype)
+    # x <-> -x differs only in the top bit: the case a weighted sum of 64-bit words misses.
+    t = _rand_bf16(BLOCK_WORDS + 2 * COLS).to(dtype)
     lanes = 8 // t.element_size()
     for lane in range(lanes):
-        i, j = lanes * 3 + lane, lanes * 11 + lane
-        t[i], t[j] = 1.5, -1.5
-        bad = t.clone()
-        bad[i], bad[j] = t[j], t[i]
-        assert checksum_tensor(bad) != checksum_tensor(t), lane
+        for w1, w2 in [(3, 11), (3, 3 + 2 * COLS)]:  # words in one row, in one column
+            i, j = lanes * w1 + lane, lanes * w2 + lane
+            t[i], t[j] = 1.5, -1.5
+            bad = t.clone()
+            bad[i], bad[j] = t[j], t[i]
+            assert checksum_tensor(bad) != checksum_tensor(t), (lane, w1, w2)
 
 
-def test_checksum_portable_path_reads_the_same_words() -> None:
-    data = _rand_bf16(3 * 1000 + 1).view(torch.uint8)[:-1]
-    n = (data.numel() - 4) // 8
-    assert torch.equal(_offset_words(data, n), _offset_words(data, n, portable=True))
+def test_checksum_detects_a_piece_landed_one_word_off() -> None:
+    t = _rand_bf16(4 * (BLOCK_WORDS + 100))
+    bad = t.clone()
+    bad[4004:8004] = t[4000:8000]  # a region written one word too far
+    assert checksum_tensor(bad) != checksum_tensor(t)
+    assert checksum_tensor(t[:-4]) != checksum_tensor(t)  # one word shorter
 
 
 def test_checksum_of_view_equals_checksum_of_copy_and_is_stable() -> None:
