@@ -43,7 +43,8 @@ def _rand_bf16(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=g).to(torch.bfloat16)
 
 
-# bf16 elements: raw-hashed, one partial row, whole blocks with rows, a row's part and bytes left.
+# bf16 elements: hashed raw (three sizes), whole rows and 2 loose bytes just above RAW_MAX_BYTES,
+# whole blocks, whole rows after them, then loose bytes.
 @pytest.mark.parametrize("numel", [1, 3, 1000, RAW_MAX_BYTES // 2 + 1, 8 * BLOCK_WORDS + 12 * COLS + 7])
 def test_checksum_detects_flipped_byte_anywhere(numel: int) -> None:
     t = _rand_bf16(numel)
