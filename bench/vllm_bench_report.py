@@ -38,7 +38,7 @@ def cpu_lines(s: dict[str, Any]) -> list[str]:
     floor = cpu["warm_sync"]["total"] / cores
     return [
         f"CPU by thread (medians, CPU s), warm sync | reload: workers' main threads (vLLM's loop: it"
-        f" runs each call, then busy-waits on its queue for a second before it sleeps)"
+        f" runs each call; it busy-waits a second after each, but not from a sync's transfer to its resume)"
         f" {of(warm, 'workers.main')} | {of(load, 'workers.main')}; workers' other threads"
         f" (WeightSync's transfer and apply, torch's) {of(warm, 'workers.other')} |"
         f" {of(load, 'workers.other')}; workers' gloo I/O"

@@ -31,6 +31,7 @@ DP engines one replica, engines/vllm_worker.py):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from sync_runtime.engines.vllm_apply import require_supported_vllm
+from sync_runtime.engines.vllm_apply import quiet_queue_waits, require_supported_vllm
 from sync_runtime.engines.vllm_batch import Result
 from sync_runtime.engines.vllm_drafter import DRAFTER_PENDING, speculates_with_mtp
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
@@ -59,6 +60,13 @@ log = logging.getLogger("weightsync.vllm")
 
 BACKGROUND = frozenset({"ws_join", "ws_run"})
 """Methods that may take the whole transfer: run off vLLM's RPC, so serving goes on."""
+QUIET_FROM = frozenset({"ws_run"})
+QUIET_UNTIL = frozenset({"ws_resume", "ws_abort"})
+"""From a sync's transfer to its resume or abort, vLLM's main loop in this worker waits for its next
+message without busy-looping (vllm_apply.quiet_queue_waits): a sync's calls come one after another,
+each followed by vLLM's one-second spin, which would share the transfer's and the apply's core. A
+sync whose coordinator vanished before either keeps it until the next sync ends: the loop then
+wakes through vLLM's own idle path (one socket poll per message), with the same messages."""
 
 
 @dataclass
@@ -109,6 +117,12 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         """ws_setup's arguments while an MTP worker waits for its drafter (init .. draft session)."""
         # One thread: the protocol's calls run in the order they arrive, as on a Ray actor.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync")
+        self._quiet = contextlib.ExitStack()  # entered and left on that thread (and at shutdown)
+        self._quiet_held = False
+
+    def _release_quiet(self) -> None:
+        self._quiet.close()
+        self._quiet_held = False
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         require_supported_vllm()  # an unknown vLLM is refused here, before any byte moves
@@ -162,11 +176,16 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         per_rank = {self._index: pickle.loads(store.get(key))} if store.check([key]) else {}
 
         def run() -> None:
+            if method in QUIET_FROM and not self._quiet_held:
+                self._quiet.enter_context(quiet_queue_waits())
+                self._quiet_held = True
             with span(f"worker.{method}"):
                 if method == "ws_setup":
                     result: Result = self._setup_with_drafter()
                 else:
                     result = self._dispatch._ws_dispatch(method, per_rank)
+            if method in QUIET_UNTIL:
+                self._release_quiet()
             if method == "ws_commit" and torch.accelerator.is_available():
                 torch.accelerator.synchronize()  # the next forward pass reads the applied weights
             try:
@@ -187,6 +206,7 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
             except WeightSyncError as e:
                 log.warning("weightsync backend: leaving the sync group failed: %s", e)
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._release_quiet()
         self._store = None
 
 
