@@ -9,6 +9,7 @@ and take vLLM's behaviour back once the block ends.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -22,8 +23,11 @@ pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 STRETCH_S = 0.3
 
 
+Pair = tuple[SpinCondition, SpinCondition]
+
+
 @pytest.fixture
-def pair() -> tuple[SpinCondition, SpinCondition]:
+def pair() -> Iterator[Pair]:
     context = zmq.Context()
     address = get_open_zmq_ipc_path()
     writer = SpinCondition(is_reader=False, context=context, notify_address=address)
@@ -43,7 +47,7 @@ def _cpu_share_of_waits(reader: SpinCondition) -> float:
     return (time.thread_time() - cpu) / (time.monotonic() - wall)
 
 
-def test_a_reader_waits_without_spinning_inside_the_block_only(pair: tuple[SpinCondition, SpinCondition]) -> None:
+def test_a_reader_waits_without_spinning_inside_the_block_only(pair: Pair) -> None:
     writer, reader = pair
     spinning = _cpu_share_of_waits(reader)
     with vllm_apply.quiet_queue_waits():
