@@ -94,3 +94,22 @@ def test_no_spare_is_held_while_the_base_is_kept() -> None:
     s.commit("v2")
     third = _fill(s, "v3", 3.0)
     assert all(third[n] != second[n] for n in EXPECTED)
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_a_cuda_workers_staging_is_page_locked(pinned: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every buffer a rank allocates asks for page-locked memory exactly when the rank is pinned
+    (a CUDA worker: vllm_worker._ws_setup). No CUDA here: the allocation itself runs unpinned."""
+    asked: list[bool] = []
+    for name in ("empty", "zeros"):
+        real = getattr(torch, name)
+
+        def alloc(*args: Any, _real: Any = real, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            if kwargs.get("device") == "cpu":  # a staging buffer (the tensors' meta ones are not)
+                asked.append(pin_memory)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, name, alloc)
+    s = VllmStaging(EXPECTED, lambda staged: ApplyReport(len(staged), len(staged), 0, ()), pinned=pinned)
+    _fill(s, "v1", 1.0, padded=True)  # one zeroed (padded) buffer, one uninitialised
+    assert asked == [pinned, pinned]

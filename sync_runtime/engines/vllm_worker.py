@@ -65,8 +65,14 @@ class VllmStaging(StagingProgress):
     which a failed transfer may still write.
     """
 
-    def __init__(self, expected: Mapping[str, EngineTensor], apply: Applier, version: str = "") -> None:
+    def __init__(
+        self, expected: Mapping[str, EngineTensor], apply: Applier, version: str = "", *, pinned: bool = False
+    ) -> None:
         self.version = version
+        self.pinned = pinned
+        """Staging in page-locked host memory (a CUDA worker's): the landing's device -> host copies
+        and the apply's host -> device copies then run at DMA speed. Buffers are kept between
+        syncs (`_spare`), so the slow page-locked allocation happens once per shard."""
         self.poisoned = False
         self.last_apply: ApplyReport | None = None
         self._expected = dict(expected)
@@ -134,7 +140,9 @@ class VllmStaging(StagingProgress):
                 buf = self._spare.pop(name, None)
                 if buf is None:
                     make = torch.empty if fully_written else torch.zeros  # zeros: vocab padding rows
-                    buf = make(meta.shape, dtype=self._staging_dtype[name], device="cpu")
+                    buf = make(
+                        meta.shape, dtype=self._staging_dtype[name], device="cpu", pin_memory=self.pinned
+                    )
                 elif not fully_written:
                     buf.zero_()  # the previous version's bytes must not show where nothing lands
                 self._staged[name] = buf
@@ -376,7 +384,9 @@ class VllmWorkerExtension:
         if drafter is not None:
             expected |= drafter_tensors(drafter, model, dtype)
             apply = lambda staged: apply_with_drafter(model, drafter, vllm_config, staged)  # noqa: E731
-        staging = VllmStaging(expected, apply)
+        # A CUDA worker stages in page-locked memory (its copies to and from the device are DMA)
+        device = torch.device(self.device)  # type: ignore[attr-defined]
+        staging = VllmStaging(expected, apply, pinned=device.type == "cuda")
         part = self.participant_class()
         part.actor_name, part.actor_id = actor_name, actor_id
         part.model = model if drafter is None else WithDrafter(model, drafter)  # what kernels read
