@@ -12,8 +12,8 @@ This is the one module that names vLLM's private API (`vllm.model_executor.model
 reload.*`: nine names, and the `kernel_tensors` of its `LayerReloadingInfo`;
 `set_default_quant_scales` of its attention layers; where an engine speculates with MTP, its
 worker's `model_runner.drafter.model`, see `mtp_drafter`; in a user's actor, whether an
-`LLM`'s engine failed, see `llm_engine_failed`; and the busy window of its shared-memory queue's
-readers, see `quiet_queue_waits`). It changes between
+`LLM`'s engine failed, see `llm_engine_failed`); the one other is vllm_quiet.py (the busy window
+of the readers of vLLM's shared-memory queue, which only changes how a worker waits). It changes between
 releases, so `KNOWN_VLLM` lists the releases whose internals were read and found to hold those
 names with the meaning used here, and
 `require_supported_vllm` refuses any other version by name (at discovery: the worker extension's
@@ -22,11 +22,8 @@ setup and the weightsync backend's `init_transfer_engine` call it before anythin
 
 from __future__ import annotations
 
-import contextlib
-import math
-import threading
 from collections import defaultdict
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,65 +88,6 @@ def llm_engine_failed(llm: Any) -> bool:
         return bool(getattr(resources, "engine_dead", False))
     executor = getattr(getattr(client, "engine_core", None), "model_executor", None)
     return bool(getattr(executor, "is_failed", False))
-
-
-_quiet_lock = threading.Lock()
-_quiet_holders = 0
-"""How many WeightSync transfers of this process are running (`quiet_queue_waits`)."""
-_QUIET_MARK = "weightsync_quiet"
-QUIET_POLL_MS = 5
-"""The longest a quiet reader sleeps before it looks at the queue again (about 200 wake-ups a second)."""
-
-
-@contextlib.contextmanager
-def quiet_queue_waits() -> Iterator[None]:
-    """While the block runs, this process's readers of vLLM's shared-memory message queue wait for
-    their next message without busy-looping.
-
-    Why: after each message it reads, a reader of vLLM's queue (`shm_broadcast.SpinCondition`,
-    the worker's main loop waiting for its next RPC or step) spins on `sched_yield` for a second
-    (`busy_loop_s=1`, no setting) before it sleeps on the writer's notification. A sync's RPCs
-    come one after another, so during a transfer the worker's main thread never stops spinning,
-    and vLLM's CPU platform binds each worker to its own cores: the spin shares the transfer
-    thread's core and takes the GIL between yields (measured: about half of the transfer
-    thread's wall time on a 2-core machine). Inside the block a reader takes vLLM's own idle path
-    at once (it sleeps on the writer's notification, which every write sends), for at most
-    QUIET_POLL_MS at a time: entered right after a read, that path was measured to miss a wake-up
-    (a commit stalled 5 s, until the next message), so the reader looks at the queue again
-    after each short poll. Messages and their order are the same; a wake-up costs a socket poll
-    and, at worst, QUIET_POLL_MS. Outside any block vLLM's behaviour is untouched. A vLLM whose
-    `SpinCondition` lacks the names read here (`wait`, `is_reader`, `last_read`; read in 0.31 and
-    0.32) keeps its own behaviour.
-    """
-    global _quiet_holders
-    _install_quiet_wait()
-    with _quiet_lock:
-        _quiet_holders += 1
-    try:
-        yield
-    finally:
-        with _quiet_lock:
-            _quiet_holders -= 1
-
-
-def _install_quiet_wait() -> None:
-    try:
-        from vllm.distributed.device_communicators import shm_broadcast
-    except ImportError:
-        return
-    spin = getattr(shm_broadcast, "SpinCondition", None)
-    original = getattr(spin, "wait", None)
-    if spin is None or original is None or getattr(original, _QUIET_MARK, False):
-        return
-
-    def wait(self: Any, timeout_ms: int | None = None) -> None:
-        if _quiet_holders and getattr(self, "is_reader", False) and hasattr(self, "last_read"):
-            self.last_read = -math.inf  # past the busy window: vLLM's idle path, woken by the writer
-            timeout_ms = QUIET_POLL_MS if timeout_ms is None else min(timeout_ms, QUIET_POLL_MS)
-        original(self, timeout_ms)
-
-    setattr(wait, _QUIET_MARK, True)
-    spin.wait = wait
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

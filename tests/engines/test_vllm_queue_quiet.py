@@ -1,4 +1,4 @@
-"""`vllm_apply.quiet_queue_waits` on vLLM's real shared-memory queue condition (`SpinCondition`).
+"""`vllm_quiet.quiet_queue_waits` on vLLM's real shared-memory queue condition (`SpinCondition`).
 
 A reader of vLLM's queue spins for `busy_loop_s` after each read. Inside the block it must wait
 without spinning (its thread's CPU over a stretch of waits is a small part of the stretch, where
@@ -16,7 +16,7 @@ import zmq
 from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 from vllm.utils.network_utils import get_open_zmq_ipc_path
 
-from sync_runtime.engines import vllm_apply
+from sync_runtime.engines import vllm_quiet
 
 pytestmark = [pytest.mark.engines, pytest.mark.vllm]
 
@@ -50,7 +50,7 @@ def _cpu_share_of_waits(reader: SpinCondition) -> float:
 def test_a_reader_waits_without_spinning_inside_the_block_only(pair: Pair) -> None:
     writer, reader = pair
     spinning = _cpu_share_of_waits(reader)
-    with vllm_apply.quiet_queue_waits():
+    with vllm_quiet.quiet_queue_waits():
         quiet = _cpu_share_of_waits(reader)
         writer.notify()
         woke = time.monotonic()
@@ -60,13 +60,13 @@ def test_a_reader_waits_without_spinning_inside_the_block_only(pair: Pair) -> No
     assert spinning > 0.5, spinning  # the control: vLLM's busy window holds the core
     assert quiet < 0.2, quiet
     assert after > 0.5, after
-    assert vllm_apply._quiet_holders == 0
+    assert vllm_quiet._quiet_holders == 0
 
 
 def test_blocks_nest_and_a_failing_block_lets_go() -> None:
-    with vllm_apply.quiet_queue_waits(), vllm_apply.quiet_queue_waits():
-        assert vllm_apply._quiet_holders == 2
-    with pytest.raises(RuntimeError), vllm_apply.quiet_queue_waits():
+    with vllm_quiet.quiet_queue_waits(), vllm_quiet.quiet_queue_waits():
+        assert vllm_quiet._quiet_holders == 2
+    with pytest.raises(RuntimeError), vllm_quiet.quiet_queue_waits():
         raise RuntimeError("a failed transfer")
-    assert vllm_apply._quiet_holders == 0
-    assert getattr(SpinCondition.wait, vllm_apply._QUIET_MARK)  # installed once, kept
+    assert vllm_quiet._quiet_holders == 0
+    assert getattr(SpinCondition.wait, vllm_quiet._QUIET_MARK)  # installed once, kept

@@ -48,10 +48,11 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from sync_runtime.engines.vllm_apply import quiet_queue_waits, require_supported_vllm
+from sync_runtime.engines.vllm_apply import require_supported_vllm
 from sync_runtime.engines.vllm_batch import Result
 from sync_runtime.engines.vllm_drafter import DRAFTER_PENDING, speculates_with_mtp
 from sync_runtime.engines.vllm_plugin import answer_key, args_key, init_key
+from sync_runtime.engines.vllm_quiet import quiet_queue_waits
 from sync_runtime.engines.vllm_worker import VllmWorkerExtension
 from sync_runtime.errors import DestinationError, WeightSyncError
 from sync_runtime.transfer.spans import span
@@ -63,7 +64,7 @@ BACKGROUND = frozenset({"ws_join", "ws_run"})
 QUIET_FROM = frozenset({"ws_run"})
 QUIET_UNTIL = frozenset({"ws_resume", "ws_abort"})
 """From a sync's transfer to its resume or abort, vLLM's main loop in this worker waits for its next
-message without busy-looping (vllm_apply.quiet_queue_waits): a sync's calls come one after another,
+message without busy-looping (vllm_quiet.quiet_queue_waits): a sync's calls come one after another,
 each followed by vLLM's one-second spin, which would share the transfer's and the apply's core. A
 sync whose coordinator vanished before either keeps it until the next sync ends: the loop then
 wakes through vLLM's own idle path (one socket poll per message), with the same messages."""
