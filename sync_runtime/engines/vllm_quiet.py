@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,8 +19,11 @@ _quiet_lock = threading.Lock()
 _quiet_holders = 0
 """How many `quiet_queue_waits` blocks are open in this process."""
 _QUIET_MARK = "weightsync_quiet"
-QUIET_POLL_MS = 5
-"""The longest a quiet reader sleeps before it looks at the queue again (about 200 wake-ups a second)."""
+QUIET_SPIN_S = 0.005
+"""How long a quiet reader still spins after each read (vLLM's spins a second): messages close
+together (a serving engine's steps) keep vLLM's wake-up latency."""
+QUIET_POLL_MS = 1
+"""After that, the longest a reader sleeps on the notification before it looks at the queue again."""
 
 
 @contextlib.contextmanager
@@ -34,14 +38,16 @@ def quiet_queue_waits() -> Iterator[None]:
     and vLLM's CPU platform binds each worker to its own cores: the spin shares the transfer
     thread's core and takes the GIL between yields (`make bench-vllm`, 2 cores, a warm sync of a
     TP 2 engine: the workers' main threads used 0.19-0.24 CPU-s without this, 0.07 with it, the
-    whole sync 1.15-1.28 CPU-s, then 0.94-0.96). Inside the block a reader takes vLLM's own idle path
-    at once (it sleeps on the writer's notification, which every write sends), for at most
-    QUIET_POLL_MS at a time: entered right after a read, that path was measured to miss a wake-up
+    whole sync 1.15-1.28 CPU-s, then 0.94-0.99). Inside the block a reader spins only QUIET_SPIN_S
+    after each read (so that messages close together, such as a serving engine's steps, keep its
+    latency), then takes vLLM's own idle path (it sleeps on the writer's notification, which
+    every write sends) for at most
+    QUIET_POLL_MS at a time: entered soon after a read, that path was measured to miss a wake-up
     (a commit stalled 5 s, until the next message), so the reader looks at the queue again
-    after each short poll. Messages and their order are the same; a wake-up costs a socket poll
-    and, at worst, QUIET_POLL_MS. Outside any block vLLM's behaviour is untouched. A vLLM whose
-    `SpinCondition` lacks the names read here (`wait`, `is_reader`, `last_read`; read in 0.31 and
-    0.32) keeps its own behaviour.
+    after each short poll. Messages and their order are the same; a wake-up after the spin
+    costs a socket poll and, at worst, QUIET_POLL_MS. Outside any block vLLM's behaviour is
+    untouched. A vLLM whose `SpinCondition` lacks the names read here (`wait`, `is_reader`,
+    `last_read`; read in 0.31 and 0.32) keeps its own behaviour.
     """
     global _quiet_holders
     _install_quiet_wait()
@@ -65,7 +71,8 @@ def _install_quiet_wait() -> None:
         return
 
     def wait(self: Any, timeout_ms: int | None = None) -> None:
-        if _quiet_holders and getattr(self, "is_reader", False) and hasattr(self, "last_read"):
+        quiet = _quiet_holders and getattr(self, "is_reader", False) and hasattr(self, "last_read")
+        if quiet and time.monotonic() - self.last_read > QUIET_SPIN_S:
             self.last_read = -math.inf  # past the busy window: vLLM's idle path, woken by the writer
             timeout_ms = QUIET_POLL_MS if timeout_ms is None else min(timeout_ms, QUIET_POLL_MS)
         original(self, timeout_ms)
