@@ -19,7 +19,7 @@ _quiet_lock = threading.Lock()
 _quiet_holders = 0
 """How many `quiet_queue_waits` blocks are open in this process."""
 _QUIET_MARK = "weightsync_quiet"
-QUIET_SPIN_S = 0.005
+QUIET_SPIN_S = 0.001
 """How long a quiet reader still spins after each read (vLLM's spins a second): messages close
 together (a serving engine's steps) keep vLLM's wake-up latency."""
 QUIET_POLL_MS = 1
