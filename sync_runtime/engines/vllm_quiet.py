@@ -38,10 +38,10 @@ def quiet_queue_waits() -> Iterator[None]:
     and vLLM's CPU platform binds each worker to its own cores: the spin shares the transfer
     thread's core and takes the GIL between yields (`make bench-vllm`, 2 cores, a warm sync of a
     TP 2 engine: the workers' main threads used 0.19-0.24 CPU-s without this, 0.07 with it, the
-    whole sync 1.15-1.29 CPU-s, then 0.94-0.99; measured before the 1 ms spin below). Inside the block a reader spins only QUIET_SPIN_S
-    after each read (so that messages close together, such as a serving engine's steps, keep its
-    latency), then takes vLLM's own idle path (it sleeps on the writer's notification, which
-    every write sends) for at most
+    whole sync 1.15-1.29 CPU-s, then 0.94-0.99; measured before the 1 ms spin below). Inside
+    the block a reader spins only QUIET_SPIN_S after each read (so that messages close together,
+    such as a serving engine's steps, keep its latency), then takes vLLM's own idle path (it
+    sleeps on the writer's notification, which every write sends) for at most
     QUIET_POLL_MS at a time: entered soon after a read, that path was measured to miss a wake-up
     (a commit stalled 5 s, until the next message), so the reader looks at the queue again
     after each short poll. Messages and their order are the same; a wake-up after the spin
