@@ -118,12 +118,13 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         """ws_setup's arguments while an MTP worker waits for its drafter (init .. draft session)."""
         # One thread: the protocol's calls run in the order they arrive, as on a Ray actor.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightsync")
-        self._quiet = contextlib.ExitStack()  # entered and left on that thread (and at shutdown)
-        self._quiet_held = False
+        self._quiet: contextlib.ExitStack | None = None
+        """Holds `quiet_queue_waits` from QUIET_FROM to QUIET_UNTIL (entered and left on that thread)."""
 
     def _release_quiet(self) -> None:
-        self._quiet.close()
-        self._quiet_held = False
+        if self._quiet is not None:
+            self._quiet.close()
+            self._quiet = None
 
     def init_transfer_engine(self, init_info: WeightSyncInitInfo) -> None:
         require_supported_vllm()  # an unknown vLLM is refused here, before any byte moves
@@ -177,9 +178,9 @@ class WeightSyncEngine(WeightTransferEngine[WeightSyncInitInfo, WeightSyncUpdate
         per_rank = {self._index: pickle.loads(store.get(key))} if store.check([key]) else {}
 
         def run() -> None:
-            if method in QUIET_FROM and not self._quiet_held:
+            if method in QUIET_FROM and self._quiet is None:
+                self._quiet = contextlib.ExitStack()
                 self._quiet.enter_context(quiet_queue_waits())
-                self._quiet_held = True
             with span(f"worker.{method}"):
                 if method == "ws_setup":
                     result: Result = self._setup_with_drafter()
