@@ -23,14 +23,14 @@ EXPECTED = {
 }
 
 
-def _staging() -> tuple[VllmStaging, list[dict[str, torch.Tensor]]]:
+def _staging(*, pinned: bool = False) -> tuple[VllmStaging, list[dict[str, torch.Tensor]]]:
     applied: list[dict[str, torch.Tensor]] = []
 
     def apply(staged: Any) -> ApplyReport:
         applied.append({n: t.clone() for n, t in staged.items()})
         return ApplyReport(len(staged), len(staged), 0, ())
 
-    return VllmStaging(EXPECTED, apply), applied
+    return VllmStaging(EXPECTED, apply, pinned=pinned), applied
 
 
 def _fill(s: VllmStaging, version: str, value: float, *, padded: bool = False) -> dict[str, int]:
@@ -110,6 +110,6 @@ def test_a_cuda_workers_staging_is_page_locked(pinned: bool, monkeypatch: pytest
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(torch, name, alloc)
-    s = VllmStaging(EXPECTED, lambda staged: ApplyReport(len(staged), len(staged), 0, ()), pinned=pinned)
+    s, _ = _staging(pinned=pinned)
     _fill(s, "v1", 1.0, padded=True)  # one zeroed (padded) buffer, one uninitialised
     assert asked == [pinned, pinned]
